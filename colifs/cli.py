@@ -1,0 +1,251 @@
+"""Thin subcommands: mount, umount, stats. User errors are one line and a specific exit code."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+
+from colifs import __version__
+from colifs.errors import MountError, NotMountedError, QuietError, UsageError
+
+READY = b"\0colifs-ready\n"
+WEIGHTS_ENV = "COLI_DISK_WEIGHTS"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="colifs",
+        description="Read-only FUSE mount that serves each tensor of a model from one of its copies.",
+    )
+    p.add_argument("--version", action="version", version=f"colifs {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser(
+        "mount",
+        help="mount PRIMARY (+ mirrors) on MOUNTPOINT",
+        description="Mount PRIMARY with its MIRROR copies on MOUNTPOINT, read-only. "
+        "Returns once the mount is serving; the daemon keeps running in the background.",
+    )
+    m.add_argument("dirs", nargs="+", metavar="DIR", help="PRIMARY [MIRROR ...] MOUNTPOINT")
+    m.add_argument(
+        "--weights",
+        metavar="W0,W1,...",
+        help=f"relative read bandwidth of each replica, primary first (default: ${WEIGHTS_ENV}, else equal)",
+    )
+    m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
+    m.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users read the mount (needs user_allow_other in /etc/fuse.conf)",
+    )
+    m.add_argument(
+        "--threads-per-drive", type=int, default=4, metavar="N", help="reads in flight per drive (default: 4)"
+    )
+    m.add_argument("--log-file", metavar="PATH", help="also log to PATH (the daemon's only log once ready)")
+    m.add_argument("-d", "--debug", action="store_true", help="debug logging")
+
+    u = sub.add_parser(
+        "umount",
+        help="unmount and wait for the daemon to exit",
+        description="Unmount a colifs mount and wait for its daemon to exit. "
+        "Also clears a stale mount whose daemon is gone.",
+    )
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon (default: 60)")
+
+    s = sub.add_parser(
+        "stats",
+        help="show what each drive served",
+        description="Show the bytes and reads each drive served through a mount.",
+    )
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true", help="print stats.json as it is")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats}[args.command](args)
+    except QuietError as e:
+        print(f"colifs: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("colifs: interrupted", file=sys.stderr)
+        return 130
+
+
+# -- mount ---------------------------------------------------------------------------------------
+
+
+def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfuse3 is heavy)
+    from colifs.mount import MountConfig
+    from colifs.routing import parse_weights
+
+    if len(args.dirs) < 2:
+        raise UsageError("mount needs PRIMARY [MIRROR ...] MOUNTPOINT")
+    *roots, mountpoint = args.dirs
+    text, source = args.weights, "given (--weights)"
+    if text is None and os.environ.get(WEIGHTS_ENV):
+        text, source = os.environ[WEIGHTS_ENV], f"given (${WEIGHTS_ENV})"
+    weights = None
+    if text is not None:
+        try:
+            weights = parse_weights(text, len(roots))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    else:
+        source = "default (equal)"
+    if args.threads_per_drive < 1:
+        raise UsageError("--threads-per-drive must be at least 1")
+    return MountConfig(
+        roots[0], roots[1:], mountpoint, weights, source, args.threads_per_drive, args.allow_other
+    )
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    if args.foreground:
+        return _serve(args, cfg, on_ready=lambda: None)
+    return _daemonize(args, cfg)
+
+
+def _serve(args: argparse.Namespace, cfg, on_ready) -> int:
+    from colifs import logs
+    from colifs.mount import serve
+
+    logs.setup(args.debug, args.log_file)
+    serve(cfg, on_ready)
+    return 0
+
+
+def _daemonize(args: argparse.Namespace, cfg) -> int:
+    """Fork; the child builds and mounts, sending its messages through a pipe until it is serving.
+
+    The parent copies them to stderr and exits 0 on the ready marker, or with the child's code.
+    Forking happens before any thread exists (the workers start in the child).
+    """
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        os.close(r)
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        os.close(w)
+
+        def ready() -> None:
+            sys.stderr.flush()
+            os.write(2, READY)
+            os.dup2(devnull, 1)
+            os.dup2(devnull, 2)
+
+        try:
+            code = _serve(args, cfg, ready)
+        except QuietError as e:
+            print(f"colifs: error: {e}", file=sys.stderr)
+            code = e.exit_code
+        except BaseException as e:  # the parent must get a line, never a silent failure
+            print(f"colifs: error: daemon failed: {e!r}", file=sys.stderr)
+            code = 1
+        sys.stderr.flush()
+        os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as pipe:
+        for line in pipe:
+            if line == READY:
+                return 0
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    if code == 0:  # it exited without ever serving
+        code = MountError.exit_code
+    return code
+
+
+# -- umount --------------------------------------------------------------------------------------
+
+
+def _read_stats(mountpoint: str) -> dict:
+    path = os.path.join(mountpoint, ".colifs", "stats.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise NotMountedError(f"{mountpoint} is not a colifs mount") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise NotMountedError(f"{mountpoint}: stale mount, its daemon is gone") from None
+        raise NotMountedError(f"{mountpoint}: {e.strerror}") from None
+
+
+def _mounted(mountpoint: str) -> bool:
+    real = os.path.realpath(mountpoint)
+    with open("/proc/self/mounts") as f:
+        return any(len(p := line.split()) > 2 and p[1] == real and p[2] == "fuse.colifs" for line in f)
+
+
+def _fusermount(mountpoint: str, lazy: bool) -> None:
+    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        msg = (done.stderr.strip().splitlines() or ["failed"])[-1]
+        raise QuietError(f"cannot unmount {mountpoint}: {msg}")
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mnt = args.mountpoint
+    if not _mounted(mnt):
+        raise NotMountedError(f"{mnt} is not a colifs mount")
+    try:
+        pid = int(_read_stats(mnt)["pid"])
+    except NotMountedError:  # stale: the daemon died; only the kernel's mount is left
+        _fusermount(mnt, lazy=True)
+        print(f"colifs: cleared stale mount {mnt}", file=sys.stderr)
+        return 0
+    os.kill(pid, 15)  # SIGTERM: the daemon unmounts itself cleanly and exits
+    deadline = time.monotonic() + args.timeout
+    while _alive(pid) or _mounted(mnt):
+        if time.monotonic() > deadline:
+            raise QuietError(f"daemon {pid} of {mnt} did not exit within {args.timeout:g} s")
+        time.sleep(0.02)
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+# -- stats ---------------------------------------------------------------------------------------
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    data = _read_stats(args.mountpoint)
+    if args.json:
+        print(json.dumps(data, indent=1))
+        return 0
+    print(f"colifs {args.mountpoint}: up {data['uptime_s']:.0f} s, weights {data['weights_source']}")
+    print(f"{'replica':<9} {'path':<32} {'weight':>7} {'GB':>9} {'share':>6} {'reads':>9} {'errors':>6}")
+    for r in data["replicas"]:
+        print(
+            f"{r['name']:<9} {r['path']:<32} {r['weight_share']:>6.0%} {r['bytes_served'] / 1e9:>9.2f}"
+            f" {r['byte_share']:>6.0%} {r['reads']:>9} {r['read_errors']:>6}"
+        )
+    print(f"fallbacks {data['fallbacks']}")
+    notes = {name: f["note"] for name, f in data["files"].items() if f["note"]}
+    for name, note in sorted(notes.items()):
+        print(f"note: {name}: {note}")
+    return 0

@@ -1,0 +1,32 @@
+"""User-facing errors: one line on stderr and a specific exit code, never a traceback."""
+
+from __future__ import annotations
+
+# Exit codes (documented in README.md). 2 is argparse's own code for a bad command line.
+EXIT_USAGE = 2
+EXIT_NOT_MOUNTED = 3
+EXIT_MOUNT_FAILED = 32  # same meaning as mount(8)'s 32: "mount failure"
+
+
+class QuietError(Exception):
+    """An error whose message is all the user needs (s3ql's QuietError)."""
+
+    exit_code = 1
+
+
+class UsageError(QuietError):
+    """Bad arguments or bad input given by the user."""
+
+    exit_code = EXIT_USAGE
+
+
+class MountError(QuietError):
+    """The filesystem could not be mounted; nothing is left mounted."""
+
+    exit_code = EXIT_MOUNT_FAILED
+
+
+class NotMountedError(QuietError):
+    """The path given is not a running colifs mount."""
+
+    exit_code = EXIT_NOT_MOUNTED

@@ -1,0 +1,55 @@
+"""A fault-injecting BackingIO for tests (like httpx.MockTransport): real reads, chosen failures.
+
+io = FaultyIO()
+io.fail("/second/m", "eio")      # every read under that root raises EIO
+io.fail("/second/m", "short")    # ... or returns half of what was asked
+io.fail("/second/m", None)       # healthy again
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from typing import Literal
+
+from colifs.backing import OsIO
+
+Fault = Literal["eio", "short", "open"] | None
+
+
+class FaultyIO(OsIO):
+    def __init__(self) -> None:
+        self._faults: dict[str, Fault] = {}
+        self._paths: dict[int, str] = {}
+        self.reads: dict[str, int] = {}  # reads per root, to check where requests went
+
+    def fail(self, root: str, fault: Fault) -> None:
+        self._faults[root] = fault
+
+    def _fault(self, path: str) -> tuple[str | None, Fault]:
+        for root, fault in self._faults.items():
+            if path.startswith(root.rstrip("/") + "/"):
+                return root, fault
+        return None, None
+
+    def open(self, path: str) -> int:
+        if self._fault(path)[1] == "open":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        fd = super().open(path)
+        self._paths[fd] = path
+        return fd
+
+    def pread_into(self, fd: int, view: memoryview, offset: int) -> int:
+        path = self._paths[fd]
+        root, fault = self._fault(path)
+        key = root or os.path.dirname(path)
+        self.reads[key] = self.reads.get(key, 0) + 1
+        if fault == "eio":
+            raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+        if fault == "short":
+            return super().pread_into(fd, view[: len(view) // 2], offset)
+        return super().pread_into(fd, view, offset)
+
+    def close(self, fd: int) -> None:
+        self._paths.pop(fd, None)
+        super().close(fd)

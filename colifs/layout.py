@@ -1,0 +1,197 @@
+"""safetensors header → sorted tensor extents → routing keys. Pure: bytes in, a Layout out.
+
+A file is the header (8-byte little-endian length N, then N bytes of JSON) followed by the
+tensor data, tensor after tensor with no gap. A Layout cuts the data part into extents, each
+with the routing key of the tensor (or fused-expert slice) it holds, so that a read range can be
+split into pieces that each belong to exactly one key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import NamedTuple
+
+MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
+HEADER = -1  # the extent index of the header bytes: always served by the primary
+
+# Bits per element, as safetensors defines them (F4/F6 pack several elements per byte).
+DTYPE_BITS: dict[str, int] = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8,
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+    "I16": 16, "U16": 16, "F16": 16, "BF16": 16,
+    "I32": 32, "U32": 32, "F32": 32,
+    "I64": 64, "U64": 64, "F64": 64, "C64": 64,
+}  # fmt: skip
+
+
+class ExpertKey(NamedTuple):
+    """One routed MoE expert. `stack` keeps MTP layers apart from the main stack."""
+
+    stack: str
+    layer: int
+    expert: int
+
+
+Key = ExpertKey | str  # a tensor that is not a routed expert is keyed by its name
+
+
+class LayoutError(ValueError):
+    """The header is malformed; the message is the reason, short enough for one warning line."""
+
+
+# One tensor per expert: `<stack>.<L>.[...].experts.<E>.<anything>`. `shared_experts` never matches
+# because `experts` must follow a dot directly.
+_PER_EXPERT = re.compile(r"^(?P<stack>.+?)\.(?P<layer>\d+)\.(?:.+\.)?experts\.(?P<expert>\d+)\.")
+# Fused tensors with the expert as dimension 0: gpt-oss `experts.gate_up_proj_blocks`,
+# Llama-4 / Qwen-VL `experts.gate_up_proj`, Granite / JetMoE `input_linear` / `output_linear`.
+_FUSED = re.compile(
+    r"^(?P<stack>.+?)\.(?P<layer>\d+)\.(?:.+\.)?"
+    r"(?:experts\.(?!\d+\.)[^.]+|(?:block_sparse_moe|moe)\.(?:input|output)_linear\.)"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Extents of one file: extent i is [starts[i], starts[i+1]) (the last ends at `size`).
+
+    The header [0, data_start) is not an extent: it belongs to HEADER_KEY.
+    """
+
+    data_start: int
+    size: int
+    starts: tuple[int, ...]
+    keys: tuple[Key, ...]
+
+    def pieces(self, off: int, end: int) -> list[tuple[int, int, int]]:
+        """Cut [off, end) into (start, end, extent) pieces, in order, each inside one extent.
+
+        The extent is an index into `starts`/`keys`, or HEADER for the header bytes.
+        """
+        end = min(end, self.size)
+        out: list[tuple[int, int, int]] = []
+        if off >= end:
+            return out
+        if off < self.data_start:
+            out.append((off, min(end, self.data_start), HEADER))
+            off = self.data_start
+        i = bisect_right(self.starts, off) - 1
+        while off < end:
+            stop = self.starts[i + 1] if i + 1 < len(self.starts) else self.size
+            piece_end = min(stop, end)
+            out.append((off, piece_end, i))
+            off = piece_end
+            i += 1
+        return out
+
+
+def header_length(first8: bytes, file_size: int) -> int:
+    """The JSON length N from the first 8 bytes, checked against the file size."""
+    if len(first8) < 8 or file_size < 8:
+        raise LayoutError(f"file is {file_size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > MAX_HEADER:
+        raise LayoutError(f"header length {n} is over the {MAX_HEADER}-byte limit")
+    if 8 + n > file_size:
+        raise LayoutError(f"header length {n} runs past the end of the {file_size}-byte file")
+    return n
+
+
+def _nbytes(name: str, info: object) -> tuple[int, int, list[int]]:
+    """(begin, end, shape) of one tensor entry, each field checked."""
+    if not isinstance(info, dict):
+        raise LayoutError(f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype is None or shape is None or offsets is None:
+        raise LayoutError(f"tensor {name!r}: entry lacks dtype, shape or data_offsets")
+    if dtype not in DTYPE_BITS:
+        raise LayoutError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+        raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise LayoutError(f"tensor {name!r}: data_offsets is not [begin, end]")
+    begin, end = offsets
+    count = 1
+    for d in shape:
+        count *= d
+    bits = count * DTYPE_BITS[dtype]
+    if end < begin or bits % 8 or bits // 8 != end - begin:
+        raise LayoutError(f"tensor {name!r}: data_offsets {offsets} do not match shape {shape} × {dtype}")
+    return begin, end, shape
+
+
+def _is_count(v: object) -> bool:
+    return type(v) is int and v >= 0
+
+
+def tensor_key(name: str) -> Key:
+    """The routing key of a one-tensor-per-expert name, else the name itself."""
+    m = _PER_EXPERT.match(name)
+    if m:
+        return ExpertKey(m["stack"], int(m["layer"]), int(m["expert"]))
+    return name
+
+
+def _fused_experts(name: str, shape: list[int], nbytes: int) -> tuple[str, int, int] | None:
+    """(stack, layer, n_experts) when `name` is a fused expert tensor [E, ...] cut evenly."""
+    if len(shape) < 2 or shape[0] < 2 or nbytes % shape[0]:
+        return None
+    m = _FUSED.match(name)
+    if not m:
+        return None
+    return m["stack"], int(m["layer"]), shape[0]
+
+
+def parse_header(header: bytes, file_size: int) -> Layout:
+    """Build the Layout from the first 8+N bytes of a file of `file_size` bytes.
+
+    Raises LayoutError for anything safetensors itself would refuse, plus trailing bytes.
+    """
+    n = header_length(header, file_size)
+    if len(header) < 8 + n:
+        raise LayoutError(f"header is {len(header) - 8} bytes, {n} expected")
+    try:
+        text = header[8 : 8 + n].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LayoutError(f"header is not valid UTF-8 (byte {e.start})") from None
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise LayoutError(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(meta, dict):
+        raise LayoutError("header JSON is not an object")
+    data_start = 8 + n
+    entries = []
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        begin, end, shape = _nbytes(name, info)
+        if end > begin:  # zero-size tensors occupy no bytes and route nothing
+            entries.append((begin, end, name, shape))
+    entries.sort()
+    starts: list[int] = []
+    keys: list[Key] = []
+    pos = 0
+    for begin, end, name, shape in entries:
+        if begin != pos:
+            what = "overlaps the previous one" if begin < pos else f"leaves a gap at {pos}"
+            raise LayoutError(f"tensor {name!r} at data offset {begin} {what}")
+        fused = _fused_experts(name, shape, end - begin)
+        if fused:
+            stack, layer, n_exp = fused
+            step = (end - begin) // n_exp
+            for e in range(n_exp):
+                starts.append(data_start + begin + e * step)
+                keys.append(ExpertKey(stack, layer, e))
+        else:
+            starts.append(data_start + begin)
+            keys.append(tensor_key(name))
+        pos = end
+    if data_start + pos != file_size:
+        if data_start + pos > file_size:
+            raise LayoutError(f"tensor data ends at {data_start + pos}, past the end ({file_size})")
+        raise LayoutError(f"{file_size - data_start - pos} trailing bytes after the last tensor")
+    return Layout(data_start, file_size, tuple(starts), tuple(keys))

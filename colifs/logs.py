@@ -1,0 +1,45 @@
+"""Logging set-up and the once-per-subject warnings the read path needs (never one per read)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Hashable
+
+log = logging.getLogger("colifs")
+
+
+def setup(debug: bool = False, log_file: str | None = None) -> None:
+    """`colifs: warning: ...` lines on stderr (and in `log_file` with timestamps)."""
+    log.setLevel(logging.DEBUG if debug else logging.INFO)
+    log.propagate = False
+    for h in list(log.handlers):
+        log.removeHandler(h)
+    err = logging.StreamHandler(sys.stderr)
+    err.setFormatter(_Short())
+    err.setLevel(logging.DEBUG if debug else logging.INFO)
+    log.addHandler(err)
+    if log_file:
+        fh = logging.FileHandler(log_file)
+        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        log.addHandler(fh)
+
+
+class _Short(logging.Formatter):
+    """`colifs: message` for information, `colifs: warning: message` for the rest."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else record.levelname.lower() + ": "
+        return f"colifs: {level}{record.getMessage()}"
+
+
+class WarnOnce:
+    """Logs a warning the first time a subject (a file, a file+replica pair) has a problem."""
+
+    def __init__(self) -> None:
+        self._seen: set[Hashable] = set()
+
+    def __call__(self, subject: Hashable, msg: str, *args: object) -> None:
+        if subject not in self._seen:
+            self._seen.add(subject)
+            log.warning(msg, *args)

@@ -1,0 +1,171 @@
+"""Mount lifecycle: check paths → build (tree, headers, mirror validation, routing) → init → serve →
+clean unmount on SIGTERM/SIGINT or an external `fusermount3 -u`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyfuse3
+import trio
+
+from colifs.backing import BackingIO, OsIO
+from colifs.errors import MountError
+from colifs.fs import STATS_INO, ColiFS
+from colifs.reader import Reader
+from colifs.replicas import Replica, ServedFile, validate
+from colifs.routing import positions
+from colifs.stats import KeepWarnings, Stats
+from colifs.tree import Tree
+from colifs.workers import DriveWorkers
+
+log = logging.getLogger("colifs")
+
+
+@dataclass
+class MountConfig:
+    primary: str
+    mirrors: list[str]
+    mountpoint: str
+    weights: list[float] | None = None  # None: equal
+    weights_source: str = "default (equal)"
+    threads_per_drive: int = 4
+    allow_other: bool = False
+    fuse_options: list[str] = field(default_factory=list)
+
+
+def _is_mounted(path: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == path for line in f if len(line.split()) > 1)
+
+
+def _same_or_inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
+    """Resolve and check the directories; raises MountError with one clear line."""
+    roots = []
+    for role, path in [("primary", cfg.primary)] + [("mirror", m) for m in cfg.mirrors]:
+        real = os.path.realpath(path)
+        if not os.path.isdir(real):
+            what = "does not exist" if not os.path.exists(real) else "is not a directory"
+            raise MountError(f"{role} {path} {what}")
+        roots.append(real)
+    seen = {}
+    for root in roots:
+        st = os.stat(root)
+        ident = (st.st_dev, st.st_ino)
+        if ident in seen:
+            raise MountError(f"{root} and {seen[ident]} are the same directory")
+        seen[ident] = root
+    try:
+        mnt_st = os.stat(cfg.mountpoint)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {cfg.mountpoint} does not exist") from None
+    except OSError as e:
+        raise MountError(
+            f"mountpoint {cfg.mountpoint}: {e.strerror} (a stale mount? try: colifs umount {cfg.mountpoint})"
+        ) from None
+    if not stat.S_ISDIR(mnt_st.st_mode):
+        raise MountError(f"mountpoint {cfg.mountpoint} is not a directory")
+    mnt = os.path.realpath(cfg.mountpoint)
+    for root in roots:
+        if _same_or_inside(mnt, root):
+            raise MountError(f"mountpoint {cfg.mountpoint} is inside {root}")
+    if _is_mounted(mnt):
+        raise MountError(f"mountpoint {cfg.mountpoint} is already a mount point")
+    if os.listdir(mnt):
+        raise MountError(f"mountpoint {cfg.mountpoint} is not empty")
+    weights = cfg.weights or [1.0] * len(roots)
+    if len(weights) != len(roots):
+        raise MountError(f"{len(weights)} weights for {len(roots)} replicas")
+    return [Replica(i, root, w) for i, (root, w) in enumerate(zip(roots, weights, strict=True))], mnt
+
+
+def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
+    """Every regular file of the tree, safetensors ones validated and given routing positions."""
+    files: dict[int, ServedFile] = {}
+    for node in tree.files():
+        if node.relpath.endswith(".safetensors"):
+            files[node.ino] = validate(os.path.join(tree.root, node.relpath), node.relpath, replicas)
+        else:
+            files[node.ino] = ServedFile(node.relpath, node.st.st_size)
+    where = positions(k for f in files.values() if f.layout for k in f.layout.keys)
+    for f in files.values():
+        if f.layout is not None:
+            f.positions = tuple(where[k] for k in f.layout.keys)
+    return files
+
+
+def describe(replicas: list[Replica], source: str, files: dict[int, ServedFile]) -> str:
+    models = [f for f in files.values() if f.is_model]
+    parts = []
+    for r in replicas:
+        held = sum(1 for f in models if r.index in f.replicas)
+        parts.append(f"{r.role} {r.root} (weight {r.weight:g}, {held}/{len(models)} model files)")
+    return f"weights {source}: " + ", ".join(parts)
+
+
+def serve(
+    cfg: MountConfig,
+    on_ready: Callable[[], None] = lambda: None,
+    io: BackingIO | None = None,
+) -> None:
+    """Build, mount and serve until unmounted or signalled; always leaves nothing mounted."""
+    replicas, mnt = check_paths(cfg)
+    t0 = time.monotonic()
+    tree = Tree(replicas[0].root)
+    files = build_files(tree, replicas)
+    stats = Stats(replicas, cfg.weights_source, mnt)
+    log.addHandler(KeepWarnings(stats))
+    log.info("%s", describe(replicas, cfg.weights_source, files))
+    log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
+    workers = [DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive) for r in replicas]
+    reader = Reader(replicas, workers, io or OsIO(), stats)
+    ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
+    options = set(pyfuse3.default_options) | {"ro", "fsname=colifs", "subtype=colifs", "noatime"}
+    if cfg.allow_other:
+        options.add("allow_other")
+    options.update(cfg.fuse_options)
+    try:
+        pyfuse3.init(ops, mnt, options)
+    except RuntimeError as e:
+        for w in workers:
+            w.close()
+        raise MountError(f"cannot mount on {mnt}: {e}") from None
+    try:
+        trio.run(_main, mnt, on_ready)
+    finally:
+        pyfuse3.close(unmount=True)
+        for w in workers:
+            w.close()
+    log.debug("unmounted %s", mnt)
+
+
+async def _main(mnt: str, on_ready: Callable[[], None]) -> None:
+    async with trio.open_nursery() as nursery:
+
+        async def fuse_loop() -> None:
+            await pyfuse3.main(max_tasks=64)
+            nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
+
+        async def signals() -> None:
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+                async for sig in sigs:
+                    log.info("signal %s: unmounting %s", signal.Signals(sig).name, mnt)
+                    pyfuse3.terminate()
+                    return
+
+        nursery.start_soon(fuse_loop)
+        nursery.start_soon(signals)
+        # Ready means serving: a real request through the kernel proves it.
+        await trio.to_thread.run_sync(os.stat, os.path.join(mnt, ".colifs", "stats"))
+        log.debug("serving %s (stats inode %d answered)", mnt, STATS_INO)
+        on_ready()

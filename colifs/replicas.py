@@ -1,0 +1,116 @@
+"""Replicas and the per-file decision of which of them may serve it (mount-time validation).
+
+A mirror copy of a safetensors file is used only if it has the same size and a byte-identical
+header (8-byte length + JSON): then its tensor bytes sit at the same offsets. Only the header is
+read, never tensor data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+from dataclasses import dataclass, field
+
+from colifs.layout import Layout, LayoutError, header_length, parse_header
+
+log = logging.getLogger("colifs")
+
+
+@dataclass(frozen=True, slots=True)
+class Replica:
+    """One copy of the model directory. Index 0 is the primary, the source of truth."""
+
+    index: int
+    root: str
+    weight: float
+
+    @property
+    def role(self) -> str:
+        return "primary" if self.index == 0 else "mirror"
+
+
+@dataclass(slots=True)
+class ServedFile:
+    """A regular file of the mount: its layout (None = plain bytes) and the replicas that may serve it.
+
+    `positions` holds the routing position u of each layout extent (see routing.py).
+    """
+
+    relpath: str
+    size: int
+    layout: Layout | None = None
+    replicas: tuple[int, ...] = (0,)
+    note: str = ""
+    positions: tuple[float, ...] = field(default=())
+
+    @property
+    def is_model(self) -> bool:
+        return self.relpath.endswith(".safetensors")
+
+
+def read_header(path: str) -> tuple[int, bytes]:
+    """(file size, the first 8+N bytes) of a safetensors file. Reads the header only."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        first8 = os.pread(fd, 8, 0)
+        n = header_length(first8, size)
+        body = os.pread(fd, n, 8)
+        if len(body) != n:
+            raise LayoutError(f"header cut short: {len(body)} of {n} bytes read")
+        return size, first8 + body
+    finally:
+        os.close(fd)
+
+
+def mirror_problem(mirror_path: str, size: int, header: bytes) -> str | None:
+    """Why the mirror copy at `mirror_path` cannot serve the file, or None when it can."""
+    try:
+        st = os.stat(mirror_path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as e:
+        return f"cannot stat ({e.strerror})"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_size != size:
+        return f"size differs ({st.st_size} bytes, primary {size})"
+    try:
+        fd = os.open(mirror_path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            theirs = os.pread(fd, len(header), 0)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return f"cannot read header ({e.strerror})"
+    return None if theirs == header else "header differs"
+
+
+def validate(path: str, relpath: str, replicas: list[Replica]) -> ServedFile:
+    """Parse the primary copy's header and check every mirror; one warning per problem."""
+    try:
+        size, header = read_header(path)
+        layout = parse_header(header, size)
+    except (LayoutError, OSError) as e:
+        reason = e.strerror if isinstance(e, OSError) else str(e)
+        note = f"malformed header: {reason}; served from the primary as plain bytes"
+        log.warning("%s: %s", relpath, note)
+        return ServedFile(relpath, _size_or_zero(path), note=note)
+    valid = [0]
+    notes = []
+    for r in replicas[1:]:
+        problem = mirror_problem(os.path.join(r.root, relpath), size, header)
+        if problem is None:
+            valid.append(r.index)
+        else:
+            notes.append(f"mirror {r.root}: {problem}")
+            log.warning("%s: mirror %s: %s; served without this mirror", relpath, r.root, problem)
+    return ServedFile(relpath, size, layout, tuple(valid), "; ".join(notes))
+
+
+def _size_or_zero(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

@@ -1,0 +1,80 @@
+"""Weighted deterministic routing of keys to replicas. Pure.
+
+Every key gets a fixed position u in [0, 1); `pick(u, weights)` cuts [0, 1) into one interval per
+replica, as wide as its weight, and returns the replica whose interval holds u.
+
+- Names: u = a 64-bit BLAKE2b digest of the name / 2**64. Deterministic on every machine and
+  Python version (never `hash()`), and uniform, so the share of keys follows the weights.
+- Routed experts: within one (stack, layer), experts are ranked by their digest and expert e gets
+  u = (rank + 0.5) / n. One decode step touches several experts of one layer; ranking gives each
+  layer an exact quota (the split follows the weights as closely as the count allows) instead of
+  the clusters an independent hash per expert produces.
+
+Changing the weights moves the interval boundaries only, so only the keys between the old and the
+new boundary move (for two replicas that is the minimum possible).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+from colifs.layout import ExpertKey, Key
+
+
+def digest(key: Key) -> int:
+    """A stable 64-bit digest of a key."""
+    if isinstance(key, ExpertKey):
+        text = f"expert\0{key.stack}\0{key.layer}\0{key.expert}"
+    else:
+        text = f"name\0{key}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def positions(keys: Iterable[Key]) -> dict[Key, float]:
+    """The position u of every key: per-layer ranks for experts, a digest for names."""
+    out: dict[Key, float] = {}
+    layers: dict[tuple[str, int], set[int]] = defaultdict(set)
+    for key in keys:
+        if isinstance(key, ExpertKey):
+            layers[key.stack, key.layer].add(key.expert)
+        elif key not in out:
+            out[key] = digest(key) / 2**64
+    for (stack, layer), experts in layers.items():
+        ranked = sorted((digest(ExpertKey(stack, layer, e)), e) for e in experts)
+        for rank, (_, e) in enumerate(ranked):
+            out[ExpertKey(stack, layer, e)] = (rank + 0.5) / len(ranked)
+    return out
+
+
+def pick(u: float, weights: Sequence[float]) -> int:
+    """The replica whose interval holds u. A weight of 0 (no valid copy, or down) is never picked.
+
+    The primary (index 0) must have a positive weight; it is also the answer when every other
+    weight is 0.
+    """
+    total = 0.0
+    for w in weights:
+        total += w
+    target = u * total
+    acc = 0.0
+    for i, w in enumerate(weights):
+        acc += w
+        if w > 0 and target < acc:
+            return i
+    return max(i for i, w in enumerate(weights) if w > 0)  # u rounding onto the very top
+
+
+def parse_weights(text: str, count: int) -> list[float]:
+    """`9,3` (or `9:3`, `9 3`) → [9.0, 3.0]; exactly one positive number per replica."""
+    parts = [p for p in text.replace(":", ",").replace(" ", ",").split(",") if p]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"weights {text!r}: not a list of numbers") from None
+    if len(values) != count:
+        raise ValueError(f"weights {text!r}: {len(values)} given, {count} replicas")
+    if not all(v > 0 and v != float("inf") for v in values):
+        raise ValueError(f"weights {text!r}: every weight must be a positive finite number")
+    return values

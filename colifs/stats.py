@@ -1,0 +1,107 @@
+"""Per-drive counters and their two renderings: the one-line `stats` and `stats.json`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+
+from colifs import __version__
+from colifs.replicas import Replica, ServedFile
+
+
+class Stats:
+    """Counters of what each drive actually delivered to the mount (a fallback counts on the primary)."""
+
+    def __init__(self, replicas: Sequence[Replica], weights_source: str, mountpoint: str) -> None:
+        self.replicas = list(replicas)
+        self.weights_source = weights_source
+        self.mountpoint = mountpoint
+        self.started = time.time()
+        n = len(replicas)
+        self.bytes_served = [0] * n
+        self.reads = [0] * n
+        self.read_errors = [0] * n
+        self.last_error: list[str | None] = [None] * n
+        self.fallbacks = 0
+        # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
+        self.layers: dict[str, list[int]] = {}
+        self.warnings: deque[str] = deque(maxlen=50)
+
+    def served(self, drive: int, nbytes: int) -> None:
+        self.bytes_served[drive] += nbytes
+        self.reads[drive] += 1
+
+    def failed(self, drive: int, problem: str) -> None:
+        self.read_errors[drive] += 1
+        self.last_error[drive] = problem
+
+    def routed(self, layer: str, drive: int, nbytes: int) -> None:
+        row = self.layers.get(layer)
+        if row is None:
+            row = self.layers[layer] = [0] * len(self.replicas)
+        row[drive] += nbytes
+
+    def _names(self) -> list[str]:
+        mirrors = len(self.replicas) - 1
+        return ["primary"] + (["mirror"] if mirrors == 1 else [f"mirror{i}" for i in range(1, mirrors + 1)])
+
+    def line(self) -> str:
+        """`MIRROR: primary 12.31 GB (4567 reads) | mirror 4.10 GB (1522 reads) | fallbacks 0`"""
+        parts = [
+            f"{name} {self.bytes_served[i] / 1e9:.2f} GB ({self.reads[i]} reads)"
+            for i, name in enumerate(self._names())
+        ]
+        return "MIRROR: " + " | ".join(parts) + f" | fallbacks {self.fallbacks}\n"
+
+    def as_dict(self, files: Sequence[ServedFile]) -> dict:
+        total = sum(self.bytes_served) or 1
+        weight_sum = sum(r.weight for r in self.replicas)
+        return {
+            "version": __version__,
+            "pid": os.getpid(),
+            "mountpoint": self.mountpoint,
+            "uptime_s": round(time.time() - self.started, 3),
+            "weights_source": self.weights_source,
+            "replicas": [
+                {
+                    "name": name,
+                    "path": r.root,
+                    "role": r.role,
+                    "weight": r.weight,
+                    "weight_share": r.weight / weight_sum,
+                    "bytes_served": self.bytes_served[i],
+                    "byte_share": self.bytes_served[i] / total,
+                    "reads": self.reads[i],
+                    "read_errors": self.read_errors[i],
+                    "last_error": self.last_error[i],
+                }
+                for i, (r, name) in enumerate(zip(self.replicas, self._names(), strict=True))
+            ],
+            "fallbacks": self.fallbacks,
+            "files": {
+                f.relpath: {"replicas": [self.replicas[i].root for i in f.replicas], "note": f.note}
+                for f in files
+                if f.is_model
+            },
+            "layers_routed_bytes": dict(sorted(self.layers.items())),
+            "recent_warnings": list(self.warnings),
+        }
+
+    def json(self, files: Sequence[ServedFile]) -> str:
+        return json.dumps(self.as_dict(files), indent=1) + "\n"
+
+
+class KeepWarnings(logging.Handler):
+    """Keeps the latest warnings in stats.json: a daemon's stderr is gone once it is ready."""
+
+    def __init__(self, stats: Stats) -> None:
+        super().__init__(logging.WARNING)
+        self._stats = stats
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
+        self._stats.warnings.append(f"{stamp} {record.getMessage()}")

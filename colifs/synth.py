@@ -1,0 +1,195 @@
+"""Synthetic MoE checkpoints with real tensor names, written with safetensors' own writer.
+
+Used by `make demo`, the tests and the benchmarks: no model has to be downloaded. Every family
+uses the naming its real checkpoints use, so the routing keys are the real ones.
+
+    python -m colifs.synth DIR [--family deepseek] [--layers 4] [--experts 16] [--hidden 256] ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+Tensor = tuple[str, str, tuple[int, ...]]  # name, numpy dtype, shape
+FAMILIES: dict[str, Callable[[int, int, int, int], Iterator[Tensor]]] = {}
+
+
+def family(name: str):
+    def register(fn: Callable[[int, int, int, int], Iterator[Tensor]]):
+        FAMILIES[name] = fn
+        return fn
+
+    return register
+
+
+def _dense(prefix: str, h: int) -> Iterator[Tensor]:
+    for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        yield f"{prefix}.self_attn.{proj}.weight", "float16", (h, h)
+    yield f"{prefix}.input_layernorm.weight", "float32", (h,)
+
+
+@family("deepseek")  # DeepSeek-V3 / Kimi-K2 / GLM-4.5: FP8 experts with block scales, shared experts, MTP
+def _deepseek(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    yield "model.embed_tokens.weight", "float16", (256, h)
+    for stack, n in (("model.layers", layers), ("mtp.layers", 1)):
+        for L in range(n):
+            p = f"{stack}.{L}"
+            yield from _dense(p, h)
+            yield f"{p}.mlp.gate.weight", "float32", (experts, h)
+            yield f"{p}.mlp.gate.e_score_correction_bias", "float32", (experts,)
+            for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                yield f"{p}.mlp.shared_experts.{proj}.weight", "float16", shape
+            for e in range(experts):
+                for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                    yield f"{p}.mlp.experts.{e}.{proj}.weight", "uint8", shape
+                    yield f"{p}.mlp.experts.{e}.{proj}.weight_scale_inv", "float32", (1, 1)
+    yield "lm_head.weight", "float16", (256, h)
+
+
+@family("mixtral")  # Mixtral / MiniMax / Phi-3.5-MoE / Arctic
+def _mixtral(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    yield "model.embed_tokens.weight", "float16", (256, h)
+    for L in range(layers):
+        p = f"model.layers.{L}"
+        yield from _dense(p, h)
+        yield f"{p}.block_sparse_moe.gate.weight", "float16", (experts, h)
+        for e in range(experts):
+            for w, shape in (("w1", (i, h)), ("w2", (h, i)), ("w3", (i, h))):
+                yield f"{p}.block_sparse_moe.experts.{e}.{w}.weight", "float16", shape
+
+
+@family("qwen3")  # Qwen3-MoE / OLMoE, GPTQ-style quantised experts
+def _qwen3(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    for L in range(layers):
+        p = f"model.layers.{L}"
+        yield from _dense(p, h)
+        yield f"{p}.mlp.gate.weight", "float16", (experts, h)
+        for e in range(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{p}.mlp.experts.{e}.{proj}.qweight", "int32", (h // 8, i)
+                yield f"{p}.mlp.experts.{e}.{proj}.scales", "float16", (1, i)
+
+
+@family("jamba")
+def _jamba(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    for L in range(layers):
+        p = f"model.layers.{L}"
+        yield f"{p}.feed_forward.router.weight", "float16", (experts, h)
+        for e in range(experts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{p}.feed_forward.experts.{e}.{proj}.weight", "float16", (i, h)
+
+
+@family("gptoss")  # fused [E, ...] MXFP4 blocks + scales + biases
+def _gptoss(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    for L in range(layers):
+        p = f"model.layers.{L}"
+        yield from _dense(p, h)
+        yield f"{p}.mlp.router.weight", "float16", (experts, h)
+        yield f"{p}.mlp.experts.gate_up_proj_blocks", "uint8", (experts, 2 * i, h // 32, 16)
+        yield f"{p}.mlp.experts.gate_up_proj_scales", "uint8", (experts, 2 * i, h // 32)
+        yield f"{p}.mlp.experts.gate_up_proj_bias", "float32", (experts, 2 * i)
+        yield f"{p}.mlp.experts.down_proj_blocks", "uint8", (experts, h, i // 32, 16)
+        yield f"{p}.mlp.experts.down_proj_scales", "uint8", (experts, h, i // 32)
+        yield f"{p}.mlp.experts.down_proj_bias", "float32", (experts, h)
+
+
+@family("llama4")  # fused [E, H, 2I] experts, one shared expert
+def _llama4(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    for L in range(layers):
+        p = f"language_model.model.layers.{L}"
+        yield from _dense(p, h)
+        yield f"{p}.feed_forward.router.weight", "float16", (experts, h)
+        yield f"{p}.feed_forward.experts.gate_up_proj", "float16", (experts, h, 2 * i)
+        yield f"{p}.feed_forward.experts.down_proj", "float16", (experts, i, h)
+        yield f"{p}.feed_forward.shared_expert.down_proj.weight", "float16", (h, i)
+
+
+@family("granite")  # fused input_linear / output_linear [E, ...]
+def _granite(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    for L in range(layers):
+        p = f"model.layers.{L}"
+        yield f"{p}.block_sparse_moe.router.layer.weight", "float16", (experts, h)
+        yield f"{p}.block_sparse_moe.input_linear.weight", "float16", (experts, 2 * i, h)
+        yield f"{p}.block_sparse_moe.output_linear.weight", "float16", (experts, h, i)
+
+
+def write_checkpoint(
+    out: str,
+    family: str = "deepseek",
+    layers: int = 4,
+    experts: int = 16,
+    hidden: int = 256,
+    inter: int = 128,
+    shards: int = 4,
+    seed: int = 0,
+) -> list[str]:
+    """Write `shards` safetensors files + index + config into `out`; returns the shard paths.
+
+    Tensor bytes are random (seeded): every tensor differs, so a misplaced byte is caught.
+    """
+    from safetensors.numpy import save_file
+
+    os.makedirs(out, exist_ok=True)
+    specs = list(FAMILIES[family](layers, experts, hidden, inter))
+    sizes = [int(np.prod(s)) * np.dtype(d).itemsize for _, d, s in specs]
+    per_shard = sum(sizes) / shards
+    rng = np.random.default_rng(seed)
+    paths, weight_map = [], {}
+    start, acc = 0, 0
+    for k in range(shards):
+        stop = start
+        while stop < len(specs) and (acc + sizes[stop] <= per_shard * (k + 1) or k == shards - 1):
+            acc += sizes[stop]
+            stop += 1
+        name = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        tensors = {
+            n: rng.integers(0, 256, size=sizes[j], dtype=np.uint8).view(d).reshape(s)
+            for j, (n, d, s) in enumerate(specs[start:stop], start)
+        }
+        path = os.path.join(out, name)
+        save_file(tensors, path, metadata={"format": "pt"})
+        paths.append(path)
+        weight_map.update({n: name for n in tensors})
+        start = stop
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(
+            {
+                "colifs_synthetic": family,
+                "num_hidden_layers": layers,
+                "n_routed_experts": experts,
+                "hidden_size": hidden,
+                "moe_intermediate_size": inter,
+            },
+            f,
+            indent=1,
+        )
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m colifs.synth", description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--family", choices=sorted(FAMILIES), default="deepseek")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--inter", type=int, default=128)
+    p.add_argument("--shards", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    paths = write_checkpoint(a.out, a.family, a.layers, a.experts, a.hidden, a.inter, a.shards, a.seed)
+    total = sum(os.path.getsize(x) for x in paths)
+    print(f"wrote {len(paths)} shards, {total / 1e6:.1f} MB, to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

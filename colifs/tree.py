@@ -1,0 +1,87 @@
+"""A snapshot of the primary's tree, taken at mount: directories, regular files and symlinks.
+
+Inode numbers are colifs' own, derived from the relative path, so they are stable across mounts
+and never the backing files' (two drives would give two inodes for one file).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+log = logging.getLogger("colifs")
+
+ROOT_INO = 1
+FIRST_FREE_INO = 16  # 2..15 are kept for colifs' own control files
+
+
+@dataclass(slots=True)
+class Node:
+    ino: int
+    relpath: str  # "" for the root
+    st: os.stat_result
+    children: dict[bytes, int] = field(default_factory=dict)  # directories only
+    target: bytes = b""  # symlinks only
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.st.st_mode)
+
+    @property
+    def is_file(self) -> bool:
+        return stat.S_ISREG(self.st.st_mode)
+
+
+class Tree:
+    """Nodes by inode; built once, read-only afterwards."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.nodes: dict[int, Node] = {}
+        self._walk("", ROOT_INO, os.lstat(root))
+
+    def _ino_for(self, relpath: str) -> int:
+        h = int.from_bytes(hashlib.blake2b(os.fsencode(relpath), digest_size=8).digest(), "big")
+        ino = FIRST_FREE_INO + h % (2**62)
+        while ino in self.nodes:  # a collision is astronomically rare, but stay correct
+            ino += 1
+        return ino
+
+    def _walk(self, relpath: str, ino: int, st: os.stat_result) -> None:
+        node = self.nodes[ino] = Node(ino, relpath, st)
+        path = os.path.join(self.root, relpath)
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as e:
+            log.warning("%s: cannot list directory (%s); shown empty", relpath or ".", e.strerror)
+            return
+        for entry in entries:
+            child_rel = os.path.join(relpath, entry.name)
+            try:
+                child_st = entry.stat(follow_symlinks=False)
+            except OSError as e:
+                log.warning("%s: cannot stat (%s); not shown", child_rel, e.strerror)
+                continue
+            mode = child_st.st_mode
+            if not (stat.S_ISDIR(mode) or stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                log.info("%s: not a file, directory or symlink; not shown", child_rel)
+                continue
+            child_ino = self._ino_for(child_rel)
+            node.children[os.fsencode(entry.name)] = child_ino
+            if stat.S_ISDIR(mode):
+                self._walk(child_rel, child_ino, child_st)
+                continue
+            child = self.nodes[child_ino] = Node(child_ino, child_rel, child_st)
+            if stat.S_ISLNK(mode):
+                try:
+                    child.target = os.fsencode(os.readlink(entry.path))
+                except OSError as e:
+                    log.warning("%s: cannot read symlink (%s)", child_rel, e.strerror)
+
+    def files(self) -> Iterator[Node]:
+        """Every regular file, in walk order."""
+        return (n for n in self.nodes.values() if n.is_file)

@@ -1,0 +1,106 @@
+"""Routing: deterministic, weighted, per-layer exact quotas, few keys move when weights change."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from colifs.layout import ExpertKey
+from colifs.routing import digest, parse_weights, pick, positions
+
+
+def experts(layers: int, n: int, stack: str = "model.layers") -> list[ExpertKey]:
+    return [ExpertKey(stack, L, e) for L in range(layers) for e in range(n)]
+
+
+def test_digest_is_fixed_across_runs_machines_and_versions() -> None:
+    # Golden values: if these change, every existing mount would re-route its keys.
+    assert digest(ExpertKey("model.layers", 3, 7)) == 0x115FE5BC90B4DFF0
+    assert digest("model.embed_tokens.weight") == 0x652945DF61B83A88
+
+
+def test_same_routing_in_a_fresh_interpreter_with_another_hash_seed() -> None:
+    keys = [*experts(2, 8), "a", "b", "lm_head.weight"]
+    here = [pick(u, [3, 1]) for u in (positions(keys)[k] for k in keys)]
+    code = (
+        "from colifs.routing import positions, pick; from colifs.layout import ExpertKey;"
+        "keys=[ExpertKey('model.layers', L, e) for L in range(2) for e in range(8)]"
+        "+['a','b','lm_head.weight'];"
+        "p=positions(keys); print([pick(p[k],[3,1]) for k in keys])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PYTHONHASHSEED": "12345"}
+    )
+    assert out.stdout.strip() == str(here)
+
+
+@pytest.mark.parametrize("weights", [[1, 1], [3, 1], [9, 3], [1, 1, 2], [5, 1]])
+def test_each_layer_gets_its_exact_quota(weights: list[float]) -> None:
+    n = 64
+    keys = experts(10, n)
+    where = positions(keys)
+    total = sum(weights)
+    for L in range(10):
+        counts = Counter(pick(where[ExpertKey("model.layers", L, e)], weights) for e in range(n))
+        for drive, w in enumerate(weights):
+            assert abs(counts[drive] - n * w / total) <= 1, (L, counts)
+
+
+@pytest.mark.parametrize("weights", [[1, 1], [3, 1]])
+def test_name_keys_follow_the_weights(weights: list[float]) -> None:
+    names = [f"model.layers.{i}.self_attn.q_proj.weight" for i in range(4000)]
+    where = positions(names)
+    share = sum(pick(where[k], weights) == 1 for k in names) / len(names)
+    assert share == pytest.approx(weights[1] / sum(weights), abs=0.03)
+
+
+def test_one_decode_step_does_not_cluster() -> None:
+    # 8 experts of one layer read together: on a 3:1 pair, never all on the slow drive, and on
+    # average 2 of them there.
+    keys = experts(60, 256)
+    where = positions(keys)
+    on_mirror = []
+    for L in range(60):
+        for start in range(0, 256, 8):
+            on_mirror.append(
+                sum(pick(where[ExpertKey("model.layers", L, e)], [3, 1]) for e in range(start, start + 8))
+            )
+    assert max(on_mirror) < 8
+    assert sum(on_mirror) / len(on_mirror) == pytest.approx(2.0, abs=0.05)
+
+
+def test_changing_weights_moves_only_the_keys_between_the_boundaries() -> None:
+    keys = experts(20, 128) + [f"n{i}" for i in range(2000)]
+    where = positions(keys)
+    before = {k: pick(where[k], [3, 1]) for k in keys}
+    after = {k: pick(where[k], [2, 1]) for k in keys}
+    moved = sum(before[k] != after[k] for k in keys) / len(keys)
+    assert moved == pytest.approx(1 / 3 - 1 / 4, abs=0.02)  # the minimum possible
+    assert all(after[k] == 1 for k in keys if before[k] == 1)  # moves go one way only
+
+
+def test_mtp_stack_does_not_collide_with_main_stack() -> None:
+    where = positions([ExpertKey("model.layers", 0, e) for e in range(4)] + [ExpertKey("mtp.layers", 0, 0)])
+    assert where[ExpertKey("mtp.layers", 0, 0)] == 0.5  # its own layer of one expert
+
+
+@given(
+    st.floats(0, 1, exclude_max=True),
+    st.lists(st.sampled_from([0.0, 0.5, 1.0, 3.0, 9.0]), min_size=1, max_size=5),
+)
+def test_pick_never_chooses_a_zero_weight(u: float, rest: list[float]) -> None:
+    weights = [1.0, *rest]
+    assert weights[pick(u, weights)] > 0
+
+
+def test_parse_weights() -> None:
+    assert parse_weights("9,3", 2) == [9.0, 3.0]
+    assert parse_weights("9:3:1", 3) == [9.0, 3.0, 1.0]
+    for bad in ("9", "9,0", "a,b", "9,-1", "9,inf", "9,nan"):
+        with pytest.raises(ValueError):
+            parse_weights(bad, 2)
