@@ -1,0 +1,352 @@
+"""Real FUSE mounts through the real CLI: bytes, loaders, routing split, partial mirrors, read-only."""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import random
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors import safe_open
+
+from colifs.layout import ExpertKey, parse_header
+from colifs.replicas import read_header
+from colifs.synth import FAMILIES, write_checkpoint
+from tests.conftest import is_mounted, mounted, run_colifs
+
+
+def shards(root: Path) -> list[Path]:
+    return sorted(root.glob("*.safetensors"))
+
+
+def read_direct(path: Path, off: int, size: int) -> bytes:
+    """pread through O_DIRECT: bypasses the mount's page cache, so the daemon serves every byte."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+    try:
+        buf = mmap.mmap(-1, max(size, 1))
+        n = os.preadv(fd, [memoryview(buf)[:size]], off)
+        return bytes(buf[:n])
+    finally:
+        os.close(fd)
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+
+
+def test_every_access_method_returns_the_primary_bytes(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        rng = random.Random(7)
+        for p in sorted(primary.iterdir()):
+            want = p.read_bytes()
+            via = mnt / p.name
+            assert via.read_bytes() == want  # whole file, buffered
+            with open(via, "rb", buffering=0) as f:  # random ranges crossing tensor boundaries
+                for _ in range(50):
+                    off = rng.randrange(len(want))
+                    size = rng.randrange(1, 400_000)
+                    assert os.pread(f.fileno(), size, off) == want[off : off + size]
+            with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                for _ in range(50):  # page faults at random places, like llama.cpp
+                    off = rng.randrange(len(want))
+                    assert mm[off : off + 5000] == want[off : off + 5000]
+            for _ in range(20):
+                off = rng.randrange(len(want))
+                size = rng.randrange(1, 3 << 20)
+                assert read_direct(via, off, size) == want[off : off + size]
+        st = m.stats()
+        assert st["fallbacks"] == 0
+        assert all(r["bytes_served"] > 0 for r in st["replicas"])
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_safe_open_through_the_mount_gives_the_same_arrays(tmp_path: Path, family: str) -> None:
+    primary, mirror, mnt = tmp_path / "p", tmp_path / "m", tmp_path / "mnt"
+    write_checkpoint(str(primary), family, layers=2, experts=8, hidden=64, inter=64, shards=2)
+    shutil.copytree(primary, mirror)
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        for p in shards(primary):
+            with safe_open(p, "numpy") as a, safe_open(mnt / p.name, "numpy") as b:
+                assert sorted(a.keys()) == sorted(b.keys())
+                assert a.metadata() == b.metadata()
+                for k in a.keys():  # noqa: SIM118 (safe_open is not iterable)
+                    x, y = a.get_tensor(k), b.get_tensor(k)
+                    assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), k
+        assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
+
+
+# -- routing through the mount -------------------------------------------------------------------
+
+
+def expert_ranges(root: Path) -> dict[tuple[str, ExpertKey], list[tuple[int, int]]]:
+    """(file, key) → byte ranges of that expert in that file, from the headers."""
+    out: dict[tuple[str, ExpertKey], list[tuple[int, int]]] = {}
+    for p in shards(root):
+        size, header = read_header(str(p))
+        lay = parse_header(header, size)
+        ends = [*lay.starts[1:], lay.size]
+        for start, end, key in zip(lay.starts, ends, lay.keys, strict=True):
+            if isinstance(key, ExpertKey):
+                out.setdefault((p.name, key), []).append((start, end))
+    return out
+
+
+def drive_of_each_expert(m, ranges) -> dict:
+    """Read each expert through the mount and see which drive's counter moved."""
+    where = {}
+    for (name, key), spans in sorted(ranges.items()):
+        before = [r["bytes_served"] for r in m.stats()["replicas"]]
+        for start, end in spans:
+            read_direct(m.path / name, start, end - start)
+        after = [r["bytes_served"] for r in m.stats()["replicas"]]
+        moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b > a]
+        assert len(moved) == 1, (key, before, after)  # one expert, one drive
+        where[name, key] = moved[0]
+    return where
+
+
+@pytest.fixture
+def many_experts(tmp_path: Path):
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "mixtral", layers=2, experts=64, hidden=128, inter=64, shards=2)
+    shutil.copytree(primary, mirror)
+    return primary, mirror, tmp_path
+
+
+@pytest.mark.parametrize("weights", [(1, 1), (3, 1)])
+def test_split_of_keys_and_bytes_follows_the_weights(many_experts, weights) -> None:
+    primary, mirror, tmp = many_experts
+    share = weights[1] / sum(weights)
+    ranges = expert_ranges(primary)
+    with mounted(primary, [mirror], tmp / "mnt", "--weights", ",".join(map(str, weights))) as m:
+        where = drive_of_each_expert(m, ranges)
+        per_layer: dict[int, list[int]] = {}
+        for (_, key), drive in where.items():
+            per_layer.setdefault(key.layer, []).append(drive)
+        for drives in per_layer.values():  # exact quota per layer: within one expert
+            assert abs(sum(drives) - share * len(drives)) <= 1
+        for p in shards(primary):  # every byte once, through O_DIRECT
+            read_direct(m.path / p.name, 0, p.stat().st_size)
+        st = m.stats()["replicas"]
+        total = st[0]["bytes_served"] + st[1]["bytes_served"]
+        # Tolerance: experts are split exactly; the few name-keyed tensors (attention, router,
+        # embeddings; ~5% of the bytes) land by hash.
+        assert st[1]["bytes_served"] / total == pytest.approx(share, abs=0.04)
+
+
+def test_same_key_same_drive_across_two_mounts(many_experts) -> None:
+    primary, mirror, tmp = many_experts
+    ranges = expert_ranges(primary)
+    runs = []
+    for _ in range(2):
+        with mounted(primary, [mirror], tmp / "mnt", "--weights", "3,1") as m:
+            runs.append(drive_of_each_expert(m, ranges))
+    assert runs[0] == runs[1]
+
+
+def test_two_mirrors_all_serve(tmp_path: Path) -> None:
+    primary = tmp_path / "p"
+    write_checkpoint(str(primary), "qwen3", layers=2, experts=32, hidden=64, inter=64, shards=2)
+    mirrors = [tmp_path / "m1", tmp_path / "m2"]
+    for m in mirrors:
+        shutil.copytree(primary, m)
+    with mounted(primary, mirrors, tmp_path / "mnt", "--weights", "1,1,1") as m:
+        for p in shards(primary):
+            assert read_direct(m.path / p.name, 0, p.stat().st_size) == p.read_bytes()
+        st = m.stats()
+        assert [r["role"] for r in st["replicas"]] == ["primary", "mirror", "mirror"]
+        shares = [r["byte_share"] for r in st["replicas"]]
+        assert all(s == pytest.approx(1 / 3, abs=0.08) for s in shares), shares
+        assert (m.path / ".colifs" / "stats").read_text().startswith("MIRROR: primary ")
+        assert " | mirror1 " in (m.path / ".colifs" / "stats").read_text()
+
+
+# -- partial and divergent mirrors ---------------------------------------------------------------
+
+
+def test_partial_and_divergent_mirror_files_are_served_from_the_primary(tmp_path: Path) -> None:
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "deepseek", layers=3, experts=8, hidden=64, inter=64, shards=4)
+    shutil.copytree(primary, mirror)
+    s1, s2, s3, s4 = (p.name for p in shards(primary))
+    (mirror / s1).unlink()  # missing
+    blob = bytearray((mirror / s2).read_bytes())  # same size, header differs
+    i = blob.index(b'"pt"')
+    blob[i + 1 : i + 3] = b"PT"
+    (mirror / s2).write_bytes(blob)
+    with open(mirror / s3, "ab") as f:  # size differs
+        f.write(b"x")
+    (mirror / "extra.safetensors").write_bytes(b"ignored")
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        for name, reason in ((s1, "missing"), (s2, "header differs"), (s3, "size differs")):
+            line = next(x for x in m.stderr.splitlines() if name in x)
+            assert "warning" in line and str(mirror) in line and reason in line
+        st = m.stats()
+        assert st["files"][s4] == {"replicas": [str(primary), str(mirror)], "note": ""}
+        for name, reason in ((s1, "missing"), (s2, "header differs"), (s3, "size differs")):
+            assert st["files"][name]["replicas"] == [str(primary)]
+            assert reason in st["files"][name]["note"]
+        assert "extra.safetensors" not in st["files"]
+        assert not (m.path / "extra.safetensors").exists()
+        for name in (s1, s2, s3):
+            want = (primary / name).read_bytes()
+            assert read_direct(m.path / name, 0, len(want)) == want
+        assert m.stats()["replicas"][1]["bytes_served"] == 0  # nothing came from the bad copies
+        want = (primary / s4).read_bytes()
+        assert read_direct(m.path / s4, 0, len(want)) == want
+        assert m.stats()["replicas"][1]["bytes_served"] > 0
+
+
+def test_malformed_primary_header_is_served_as_plain_bytes(model) -> None:
+    primary, mirror, mnt = model
+    bad = primary / "broken.safetensors"
+    bad.write_bytes(struct.pack("<Q", 10**9) + b"{}" + os.urandom(1000))
+    shutil.copy(bad, mirror / bad.name)
+    with mounted(primary, [mirror], mnt) as m:
+        line = next(x for x in m.stderr.splitlines() if "broken.safetensors" in x)
+        assert "malformed header" in line and "over the 100000000-byte limit" in line
+        assert (mnt / bad.name).read_bytes() == bad.read_bytes()
+        assert m.stats()["files"]["broken.safetensors"]["replicas"] == [str(primary)]
+        good = shards(primary)[0]
+        assert read_direct(mnt / good.name, 0, good.stat().st_size) == good.read_bytes()
+
+
+# -- the tree, read-only -------------------------------------------------------------------------
+
+
+def test_tree_modes_times_symlinks_and_stable_inodes(model) -> None:
+    primary, mirror, mnt = model
+    (primary / "sub" / "deeper").mkdir(parents=True)
+    (primary / "sub" / "deeper" / "tokenizer.json").write_text("{}")
+    os.chmod(primary / "config.json", 0o664)
+    first = shards(primary)[0]
+    (primary / "latest.safetensors").symlink_to(first.name)
+    inodes = []
+    for _ in range(2):
+        with mounted(primary, [mirror], mnt):
+            assert sorted(os.listdir(mnt)) == sorted([*os.listdir(primary), ".colifs"])
+            for p in [*primary.rglob("*")]:
+                via = mnt / p.relative_to(primary)
+                a, b = p.lstat(), via.lstat()
+                assert b.st_mode == a.st_mode & ~0o222
+                assert (b.st_size, b.st_mtime_ns) == (a.st_size, a.st_mtime_ns)
+                assert b.st_ino != a.st_ino
+            link = mnt / "latest.safetensors"
+            assert link.is_symlink() and os.readlink(link) == first.name
+            assert link.read_bytes() == first.read_bytes()
+            inodes.append({p.name: (mnt / p.relative_to(primary)).lstat().st_ino for p in primary.rglob("*")})
+    assert inodes[0] == inodes[1]
+
+
+def test_every_write_path_is_erofs(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt):
+        f = mnt / shards(primary)[0].name
+        attempts = [
+            lambda: os.open(f, os.O_RDWR),
+            lambda: os.open(f, os.O_WRONLY | os.O_TRUNC),
+            lambda: os.open(mnt / "new", os.O_WRONLY | os.O_CREAT),
+            lambda: os.mkdir(mnt / "d"),
+            lambda: os.unlink(f),
+            lambda: os.rmdir(mnt / ".colifs"),
+            lambda: os.rename(f, mnt / "x"),
+            lambda: os.chmod(f, 0o777),
+            lambda: os.truncate(f, 0),
+            lambda: os.utime(f),
+            lambda: os.setxattr(f, "user.x", b"1"),
+            lambda: os.symlink("a", mnt / "l"),
+            lambda: os.link(f, mnt / "h"),
+            lambda: os.open(mnt / ".colifs" / "stats", os.O_WRONLY),
+        ]
+        for attempt in attempts:
+            with pytest.raises(OSError) as e:
+                attempt()
+            assert e.value.errno == errno.EROFS, attempt
+
+
+# -- stats and the CLI ---------------------------------------------------------------------------
+
+
+def test_stats_are_current_and_the_cli_shows_them(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "9,3") as m:
+        assert (mnt / ".colifs" / "stats").read_text() == (
+            "MIRROR: primary 0.00 GB (0 reads) | mirror 0.00 GB (0 reads) | fallbacks 0\n"
+        )
+        s = shards(primary)[1]
+        read_direct(mnt / s.name, 0, s.stat().st_size)
+        line = (mnt / ".colifs" / "stats").read_text()
+        st = m.stats()
+        reads = [r["reads"] for r in st["replicas"]]
+        assert f"primary {st['replicas'][0]['bytes_served'] / 1e9:.2f} GB ({reads[0]} reads)" in line
+        assert sum(r["bytes_served"] for r in st["replicas"]) == s.stat().st_size
+        assert [r["weight"] for r in st["replicas"]] == [9.0, 3.0]
+        assert st["weights_source"] == "given (--weights)"
+        assert "weights given (--weights): primary" in m.stderr
+        out = run_colifs("stats", str(mnt))
+        assert out.returncode == 0 and "primary" in out.stdout and "fallbacks 0" in out.stdout
+        out = run_colifs("stats", str(mnt), "--json")
+        assert out.returncode == 0 and '"replicas"' in out.stdout
+
+
+def test_coli_disk_weights_is_honoured(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, env={"COLI_DISK_WEIGHTS": "5,2"}) as m:
+        st = m.stats()
+        assert [r["weight"] for r in st["replicas"]] == [5.0, 2.0]
+        assert st["weights_source"] == "given ($COLI_DISK_WEIGHTS)"
+
+
+def test_umount_returns_once_the_daemon_is_gone(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt) as m:
+        pid = m.stats()["pid"]
+        out = run_colifs("umount", str(mnt))
+        assert out.returncode == 0, out.stderr
+        assert not is_mounted(mnt)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+# -- refusals ------------------------------------------------------------------------------------
+
+
+def refuse(args: list[str], code: int, text: str, mnt: Path | None = None) -> None:
+    out = run_colifs(*args)
+    assert out.returncode == code, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colifs: error: ") and text in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+    if mnt is not None:
+        assert not is_mounted(mnt)
+
+
+def test_bad_input_is_one_line_and_a_specific_exit_code(model, tmp_path: Path) -> None:
+    primary, mirror, mnt = model
+    p, m, t = str(primary), str(mirror), str(mnt)
+    refuse(["mount", str(tmp_path / "nope"), m, t], 32, "does not exist", mnt)
+    refuse(["mount", str(primary / "config.json"), m, t], 32, "is not a directory", mnt)
+    (tmp_path / "alias").symlink_to(primary)
+    refuse(["mount", p, str(tmp_path / "alias"), t], 32, "are the same directory", mnt)
+    refuse(["mount", p, m, str(primary / "sub")], 32, "does not exist")
+    (primary / "inner").mkdir()
+    refuse(["mount", p, m, str(primary / "inner")], 32, "is inside", primary / "inner")
+    (mnt / "file").write_text("x")
+    refuse(["mount", p, m, t], 32, "is not empty", mnt)
+    (mnt / "file").unlink()
+    refuse(["mount", p, m, t, "--weights", "1"], 2, "1 given, 2 replicas", mnt)
+    refuse(["mount", p, m, t, "--weights", "1,0"], 2, "positive", mnt)
+    refuse(["mount", p], 2, "PRIMARY [MIRROR ...] MOUNTPOINT")
+    refuse(["umount", t], 3, "is not a colifs mount")
+    refuse(["stats", t], 3, "is not a colifs mount")
+
+
+def test_a_second_mount_on_the_same_mountpoint_is_refused(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt):
+        refuse(["mount", str(primary), str(mirror), str(mnt)], 32, "already a mount point")
+        assert np.frombuffer(read_direct(mnt / "config.json", 0, 10), np.uint8).size == 10
