@@ -188,19 +188,24 @@ class ColiFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             raise pyfuse3.FUSEError(errno.EROFS)
-        fh = self._next_fh
         if inode in (STATS_INO, STATS_JSON_INO):
             # A snapshot per open, read with direct I/O: every reader sees current numbers.
+            fh = self._new_fh()
             self._handles[fh] = self._render(inode)
-            self._next_fh += 1
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         f = self.files.get(inode)
         if f is None:
             raise pyfuse3.FUSEError(errno.EISDIR if inode in self.tree.nodes else errno.ENOENT)
-        self._handles[fh] = await self.reader.open(f)
-        self._next_fh += 1
+        opened = await self.reader.open(f)
+        fh = self._new_fh()  # taken after the await: concurrent opens never share a number
+        self._handles[fh] = opened
         # keep_cache: the files are immutable, so the page cache stays valid across opens.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+
+    def _new_fh(self) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        return fh
 
     @fuse_boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:

@@ -30,7 +30,10 @@ class _Short(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         level = "" if record.levelno == logging.INFO else record.levelname.lower() + ": "
-        return f"colifs: {level}{record.getMessage()}"
+        text = f"colifs: {level}{record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
 
 
 class WarnOnce:

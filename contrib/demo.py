@@ -49,7 +49,9 @@ def main() -> int:
                         return 1
                     count += 1
                     nbytes += a.nbytes
-        print(f"{count} tensors, {nbytes / 1e6:.1f} MB, identical to the primary, {time.monotonic() - t0:.2f} s")
+        print(
+            f"{count} tensors, {nbytes / 1e6:.1f} MB, identical to the primary, {time.monotonic() - t0:.2f} s"
+        )
         step(f"cat {mnt}/.colifs/stats")
         print((mnt / ".colifs" / "stats").read_text(), end="")
         step(f"colifs stats {mnt}")

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import struct
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -350,3 +351,28 @@ def test_a_second_mount_on_the_same_mountpoint_is_refused(model) -> None:
     with mounted(primary, [mirror], mnt):
         refuse(["mount", str(primary), str(mirror), str(mnt)], 32, "already a mount point")
         assert np.frombuffer(read_direct(mnt / "config.json", 0, 10), np.uint8).size == 10
+
+
+def test_many_threads_opening_and_reading_at_once(model) -> None:
+    primary, mirror, mnt = model
+    files = shards(primary)
+    want = {p.name: p.read_bytes() for p in files}
+    errors: list[BaseException] = []
+
+    def worker(k: int) -> None:
+        rng = random.Random(k)
+        try:
+            for _ in range(20):
+                name = rng.choice(list(want))
+                off = rng.randrange(len(want[name]))
+                assert read_direct(mnt / name, off, 1 << 20) == want[name][off : off + (1 << 20)]
+        except BaseException as e:
+            errors.append(e)
+
+    with mounted(primary, [mirror], mnt):
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []

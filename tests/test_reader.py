@@ -125,3 +125,25 @@ def test_write_paths_are_erofs_without_a_mount(model) -> None:
             assert e.value.errno == errno.EROFS
 
     run(ops, go)
+
+
+def test_concurrent_opens_get_distinct_handles(model) -> None:
+    primary, mirror, _ = model
+    ops, _ = make_ops(primary, mirror, [1, 1])
+    inodes = list(shard_inodes(ops))
+    handles: list[int] = []
+
+    async def open_one(ino: int) -> None:
+        handles.append((await ops.open(ino, os.O_RDONLY, None)).fh)
+
+    async def go() -> None:
+        async with trio.open_nursery() as nursery:
+            for k in range(30):
+                nursery.start_soon(open_one, inodes[k % len(inodes)])
+        assert len(set(handles)) == 30
+        for fh in handles:
+            assert len(await ops.read(fh, 0, 100)) == 100
+            await ops.release(fh)
+
+    run(ops, go)
+    assert ops.reader._open == {}
