@@ -1,0 +1,111 @@
+"""Mount time and daemon size on a checkpoint shaped like DeepSeek-V3 (no data is written).
+
+Builds 163 sparse shards whose headers list ~94k tensors (61 layers × 256 experts × 3 projections,
+FP8 weights + scales, plus attention/shared experts), ~690 GB apparent size and a few MB on disk,
+mirrors them, then times `colifs mount` (until it is serving) and `colifs umount`, and reads the
+daemon's RSS. Usage: python contrib/bench/mount_scale.py [WORKDIR]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYERS, EXPERTS, SHARDS = 61, 256, 163
+HIDDEN, INTER = 7168, 2048
+
+
+def tensors():
+    yield "model.embed_tokens.weight", "BF16", [129280, HIDDEN]
+    for L in range(LAYERS):
+        p = f"model.layers.{L}"
+        for proj, shape in (
+            ("q_a_proj", [1536, HIDDEN]),
+            ("kv_a_proj_with_mqa", [576, HIDDEN]),
+            ("o_proj", [HIDDEN, 16384]),
+        ):
+            yield f"{p}.self_attn.{proj}.weight", "F8_E4M3", shape
+        yield f"{p}.mlp.gate.weight", "BF16", [EXPERTS, HIDDEN]
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            yield f"{p}.mlp.shared_experts.{proj}.weight", "F8_E4M3", [INTER, HIDDEN]
+        for e in range(EXPERTS):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                yield f"{p}.mlp.experts.{e}.{proj}.weight", "F8_E4M3", [INTER, HIDDEN]
+                yield f"{p}.mlp.experts.{e}.{proj}.weight_scale_inv", "F32", [16, 56]
+    yield "lm_head.weight", "BF16", [129280, HIDDEN]
+
+
+def nbytes(dtype: str, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * {"BF16": 2, "F8_E4M3": 1, "F32": 4}[dtype]
+
+
+def build(root: Path) -> tuple[int, int]:
+    root.mkdir(parents=True)
+    specs = list(tensors())
+    per = -(-len(specs) // SHARDS)
+    total = 0
+    for k in range(SHARDS):
+        meta, off = {}, 0
+        for name, dtype, shape in specs[k * per : (k + 1) * per]:
+            n = nbytes(dtype, shape)
+            meta[name] = {"dtype": dtype, "shape": shape, "data_offsets": [off, off + n]}
+            off += n
+        text = json.dumps(meta).encode()
+        path = root / f"model-{k + 1:05d}-of-{SHARDS:05d}.safetensors"
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(text)) + text)
+            f.truncate(8 + len(text) + off)  # sparse: no tensor data on disk
+        total += 8 + len(text) + off
+    return len(specs), total
+
+
+def main() -> int:
+    work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="colifs-scale-"))
+    primary, mirror, mnt = work / "p", work / "m", work / "mnt"
+    colifs = [sys.executable, "-m", "colifs"]
+    try:
+        n, total = build(primary)
+        build(mirror)  # built the same way: a copy would fill the disk (the holes are not kept)
+        mnt.mkdir()
+        subprocess.run(["sync"])
+        cold = os.access("/proc/sys/vm/drop_caches", os.W_OK)
+        if cold:  # headers are read from disk, not from page cache, as after a reboot
+            Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        t0 = time.monotonic()
+        done = subprocess.run(
+            [*colifs, "mount", str(primary), str(mirror), str(mnt)], capture_output=True, text=True
+        )
+        t_mount = time.monotonic() - t0
+        if done.returncode:
+            print(done.stderr)
+            return 1
+        st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+        status = Path(f"/proc/{st['pid']}/status").read_text()
+        rss = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+        t0 = time.monotonic()
+        subprocess.run([*colifs, "umount", str(mnt)], check=True)
+        t_umount = time.monotonic() - t0
+        usable = sum(1 for f in st["files"].values() if len(f["replicas"]) == 2)
+        print(f"{SHARDS} shards, {n} tensors, {total / 1e9:.0f} GB apparent; {usable} shards mirrored")
+        print(
+            f"colifs mount (until serving): {t_mount:.2f} s   umount: {t_umount:.2f} s   "
+            f"daemon RSS: {rss / 1024:.0f} MiB"
+        )
+    finally:
+        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+        shutil.rmtree(work)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
