@@ -4,6 +4,7 @@ clean unmount on SIGTERM/SIGINT or an external `fusermount3 -u`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -70,9 +71,7 @@ def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
     except FileNotFoundError:
         raise MountError(f"mountpoint {cfg.mountpoint} does not exist") from None
     except OSError as e:
-        raise MountError(
-            f"mountpoint {cfg.mountpoint}: {e.strerror} (a stale mount? try: colifs umount {cfg.mountpoint})"
-        ) from None
+        raise MountError(f"mountpoint {cfg.mountpoint}: {e.strerror}") from None
     if not stat.S_ISDIR(mnt_st.st_mode):
         raise MountError(f"mountpoint {cfg.mountpoint} is not a directory")
     mnt = os.path.realpath(cfg.mountpoint)
@@ -80,6 +79,14 @@ def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
         if _same_or_inside(mnt, root):
             raise MountError(f"mountpoint {cfg.mountpoint} is inside {root}")
     if _is_mounted(mnt):
+        try:
+            os.listdir(mnt)
+        except OSError as e:
+            if e.errno == errno.ENOTCONN:
+                raise MountError(
+                    f"mountpoint {cfg.mountpoint} is a stale mount (its daemon is gone); "
+                    f"run: colifs umount {cfg.mountpoint}"
+                ) from None
         raise MountError(f"mountpoint {cfg.mountpoint} is already a mount point")
     if os.listdir(mnt):
         raise MountError(f"mountpoint {cfg.mountpoint} is not empty")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import errno
+import json
 import mmap
 import os
 import random
 import shutil
+import signal
 import struct
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +22,7 @@ from safetensors import safe_open
 from colifs.layout import ExpertKey, parse_header
 from colifs.replicas import read_header
 from colifs.synth import FAMILIES, write_checkpoint
-from tests.conftest import is_mounted, mounted, run_colifs
+from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
 
 
 def shards(root: Path) -> list[Path]:
@@ -376,3 +380,43 @@ def test_many_threads_opening_and_reading_at_once(model) -> None:
         for t in threads:
             t.join()
     assert errors == []
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_a_foreground_mount_unmounts_cleanly(model, sig) -> None:
+    primary, mirror, mnt = model
+    proc = subprocess.Popen(
+        [*COLIFS, "mount", "-f", str(primary), str(mirror), str(mnt)], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (mnt / ".colifs").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=30) == 0
+        assert not is_mounted(mnt)
+    finally:
+        proc.kill()
+        force_unmount(mnt)
+
+
+def test_umount_clears_a_stale_mount_whose_daemon_was_killed(model) -> None:
+    primary, mirror, mnt = model
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt))
+    assert out.returncode == 0, out.stderr
+    try:
+        pid = json.loads((mnt / ".colifs" / "stats.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(OSError) as e:
+            os.listdir(mnt)
+        assert e.value.errno == errno.ENOTCONN
+        refuse(["mount", str(primary), str(mirror), str(mnt)], 32, "stale mount")
+        out = run_colifs("umount", str(mnt))
+        assert out.returncode == 0, out.stderr
+        assert not is_mounted(mnt) and os.listdir(mnt) == []
+    finally:
+        force_unmount(mnt)
