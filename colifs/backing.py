@@ -1,13 +1,22 @@
 """The I/O layer under the read path, swappable (httpx-transport style) so tests can inject faults.
 
-`OsIO` is the real one: read-only file descriptors and positional reads that loop over short
-reads. `colifs.fakeio.FaultyIO` wraps it for tests.
+`OsIO` is the real one: read-only descriptors and positional reads that loop over short reads.
+With `direct=True` files are opened O_DIRECT where the filesystem allows it: the mount's own page
+cache is then the only cache (no double caching) and the drive DMAs straight into our buffers.
+Callers read BLOCK-aligned ranges into page-aligned buffers, as O_DIRECT requires.
+`colifs.fakeio.FaultyIO` wraps it for tests.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from typing import Protocol
+
+from colifs.buffers import BLOCK
+
+log = logging.getLogger("colifs")
 
 
 class BackingIO(Protocol):
@@ -17,24 +26,61 @@ class BackingIO(Protocol):
 
     def pread_into(self, fd: int, view: memoryview, offset: int) -> int: ...
 
+    def pread_nowait(self, fd: int, view: memoryview, offset: int) -> int:
+        """What can be read without blocking (page-cache hits); never blocks, may return 0."""
+        ...
+
     def close(self, fd: int) -> None: ...
 
 
 class OsIO:
     """Plain POSIX I/O. Files are only ever opened O_RDONLY: a mirror is never written."""
 
+    def __init__(self, direct: bool = True) -> None:
+        self.direct = direct
+        self._refused: set[int] = set()  # st_dev of filesystems that refused O_DIRECT
+        self._direct_fds: set[int] = set()
+
     def open(self, path: str) -> int:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        flags = os.O_RDONLY | os.O_CLOEXEC
+        if self.direct:
+            try:
+                fd = os.open(path, flags | os.O_DIRECT)
+                self._direct_fds.add(fd)
+                return fd
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+            fd = os.open(path, flags)
+            dev = os.fstat(fd).st_dev
+            if dev not in self._refused:
+                self._refused.add(dev)
+                log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", path)
+            return fd
+        return os.open(path, flags)
 
     def pread_into(self, fd: int, view: memoryview, offset: int) -> int:
         """Fill `view` from `offset`; fewer bytes only at end of file. EINTR is retried by Python."""
         got = 0
         while got < len(view):
             n = os.preadv(fd, [view[got:]], offset + got)
-            if n == 0:
-                break
             got += n
+            if n == 0 or (n % BLOCK and fd in self._direct_fds):
+                break  # end of file (an O_DIRECT read is short only there)
         return got
 
+    def pread_nowait(self, fd: int, view: memoryview, offset: int) -> int:
+        """RWF_NOWAIT: the part already in page cache, read on the caller's thread (no hand-off).
+
+        O_DIRECT reads always go to the drive, so they are never tried here.
+        """
+        if fd in self._direct_fds:
+            return 0
+        try:
+            return os.preadv(fd, [view], offset, os.RWF_NOWAIT)
+        except OSError:  # EAGAIN (not cached), or a real error the blocking path will report
+            return 0
+
     def close(self, fd: int) -> None:
+        self._direct_fds.discard(fd)
         os.close(fd)

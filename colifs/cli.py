@@ -45,7 +45,14 @@ def _parser() -> argparse.ArgumentParser:
         help="let other users read the mount (needs user_allow_other in /etc/fuse.conf)",
     )
     m.add_argument(
-        "--threads-per-drive", type=int, default=4, metavar="N", help="reads in flight per drive (default: 4)"
+        "--threads-per-drive", type=int, default=8, metavar="N", help="reads in flight per drive (default: 8)"
+    )
+    m.add_argument(
+        "--backing-io",
+        choices=["direct", "buffered"],
+        default="direct",
+        help="read the drives with O_DIRECT (default; the mount's page cache is then the only cache) "
+        "or buffered",
     )
     m.add_argument("--log-file", metavar="PATH", help="also log to PATH (the daemon's only log once ready)")
     m.add_argument("-d", "--debug", action="store_true", help="debug logging")
@@ -105,7 +112,14 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
     if args.threads_per_drive < 1:
         raise UsageError("--threads-per-drive must be at least 1")
     return MountConfig(
-        roots[0], roots[1:], mountpoint, weights, source, args.threads_per_drive, args.allow_other
+        roots[0],
+        roots[1:],
+        mountpoint,
+        weights,
+        source,
+        threads_per_drive=args.threads_per_drive,
+        backing_io=args.backing_io,
+        allow_other=args.allow_other,
     )
 
 

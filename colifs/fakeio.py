@@ -13,12 +13,14 @@ import os
 from typing import Literal
 
 from colifs.backing import OsIO
+from colifs.buffers import align_down
 
 Fault = Literal["eio", "short", "open"] | None
 
 
 class FaultyIO(OsIO):
-    def __init__(self) -> None:
+    def __init__(self, direct: bool = True) -> None:
+        super().__init__(direct)
         self._faults: dict[str, Fault] = {}
         self._paths: dict[int, str] = {}
         self.reads: dict[str, int] = {}  # reads per root, to check where requests went
@@ -47,8 +49,14 @@ class FaultyIO(OsIO):
         if fault == "eio":
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         if fault == "short":
-            return super().pread_into(fd, view[: len(view) // 2], offset)
+            return super().pread_into(fd, view[: align_down(len(view) // 2)], offset)
         return super().pread_into(fd, view, offset)
+
+    def pread_nowait(self, fd: int, view: memoryview, offset: int) -> int:
+        """A faulty root never answers from cache: its reads reach the injected fault."""
+        if self._fault(self._paths[fd])[1] is not None:
+            return 0
+        return super().pread_nowait(fd, view, offset)
 
     def close(self, fd: int) -> None:
         self._paths.pop(fd, None)

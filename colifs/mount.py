@@ -36,7 +36,8 @@ class MountConfig:
     mountpoint: str
     weights: list[float] | None = None  # None: equal
     weights_source: str = "default (equal)"
-    threads_per_drive: int = 4
+    threads_per_drive: int = 8
+    backing_io: str = "direct"  # or "buffered"
     allow_other: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -135,7 +136,7 @@ def serve(
     log.info("%s", describe(replicas, cfg.weights_source, files))
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
     workers = [DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive) for r in replicas]
-    reader = Reader(replicas, workers, io or OsIO(), stats)
+    reader = Reader(replicas, workers, io or OsIO(direct=cfg.backing_io == "direct"), stats)
     ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
     options = set(pyfuse3.default_options) | {"ro", "fsname=colifs", "subtype=colifs", "noatime"}
     if cfg.allow_other:

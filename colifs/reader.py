@@ -12,15 +12,16 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import trio
+import outcome
 
 from colifs.backing import BackingIO
+from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.layout import HEADER, ExpertKey
 from colifs.logs import WarnOnce
 from colifs.replicas import Replica, ServedFile
 from colifs.routing import pick
 from colifs.stats import Stats
-from colifs.workers import DriveWorkers
+from colifs.workers import DriveWorkers, gather
 
 log = logging.getLogger("colifs")
 
@@ -44,7 +45,9 @@ class Reader:
         workers: Sequence[DriveWorkers],
         io: BackingIO,
         stats: Stats,
+        pool: BufferPool | None = None,
     ) -> None:
+        self.pool = pool or BufferPool()
         self.replicas = list(replicas)
         self.workers = list(workers)
         self.io = io
@@ -110,62 +113,93 @@ class Reader:
                 runs.append((start, stop, drive))
         return runs
 
-    async def read(self, of: OpenFile, off: int, size: int) -> bytes | bytearray | memoryview:
-        """The primary's bytes [off, off+size), short only at the end of the file."""
+    async def read(self, of: OpenFile, off: int, size: int) -> bytes | memoryview:
+        """The primary's bytes [off, off+size), short only at the end of the file.
+
+        The range is rounded out to BLOCK (O_DIRECT), read into a pooled buffer, and returned as a
+        view of it: no copy, no allocation.
+        """
         end = min(off + size, of.file.size)
         if off >= end:
             return b""
-        runs = self.plan(of, off, end)
-        buf = bytearray(end - off)
-        view = memoryview(buf)
-        if len(runs) == 1:
-            got = await self._read_run(of, runs[0][2], off, view)
-            return buf if got == len(buf) else view[:got]
-        counts = [0] * len(runs)
-        failures: list[OSError] = []
-
-        async def fill(i: int, start: int, stop: int, drive: int) -> None:
-            try:
-                counts[i] = await self._read_run(of, drive, start, view[start - off : stop - off])
-            except OSError as e:
-                failures.append(e)
-
-        async with trio.open_nursery() as nursery:
-            for i, (start, stop, drive) in enumerate(runs):
-                nursery.start_soon(fill, i, start, stop, drive)
-        if failures:
-            raise failures[0]
-        total = 0
-        for (start, stop, _), got in zip(runs, counts, strict=True):
-            total += got
-            if got < stop - start:  # the primary ended early: the file shrank under us
-                break
-        return buf if total == len(buf) else view[:total]
-
-    async def _read_run(self, of: OpenFile, drive: int, start: int, view: memoryview) -> int:
-        if drive != 0:
-            try:
-                got = await self.workers[drive].run(self.io.pread_into, of.fds[drive], view, start)
-            except OSError as e:
-                problem = f"read error at {start}: {e.strerror or e}"
-            else:
-                if got == len(view):
-                    self.stats.served(drive, got)
-                    return got
-                problem = f"short read at {start}: {got} of {len(view)} bytes"
-            self.stats.failed(drive, problem)
-            self.stats.fallbacks += 1
-            self._mirror_trouble(of.file, drive, problem)
-        fd = of.fds[0]
-        assert fd is not None
+        start, stop = align_down(off), align_up(end)
+        runs = snap(self.plan(of, start, end), stop)
+        buf = self.pool.take(stop - start)
         try:
-            got = await self.workers[0].run(self.io.pread_into, fd, view, start)
-        except OSError as e:
-            self.stats.failed(0, f"read error at {start}: {e.strerror or e}")
-            self._warn((of.file.relpath, 0), "%s: primary read error: %s", of.file.relpath, e)
-            raise
-        self.stats.served(0, got)
-        return got
+            view = memoryview(buf)
+            valid = min(end, await self._read_runs(of, runs, view, off, end))
+        finally:
+            self.pool.lend(buf)
+        return view[off - start : valid - start] if valid > off else b""
+
+    async def _read_runs(
+        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, off: int, end: int
+    ) -> int:
+        """Read every run on its drive at once, re-read failed mirror runs from the primary.
+
+        Page-cache hits (buffered backing) are read inline without blocking; the rest goes to the
+        drives' workers. Returns the file offset up to which `view` holds valid bytes.
+        """
+        base = runs[0][0]
+        size = of.file.size
+        got = [0] * len(runs)
+        calls, waiting = [], []
+        for i, (s, e, d) in enumerate(runs):
+            fd = of.fds[d]
+            got[i] = self.io.pread_nowait(fd, view[s - base : e - base], s)
+            if got[i] < min(e, size) - s:
+                calls.append(
+                    (
+                        self.workers[d],
+                        self.io.pread_into,
+                        (fd, view[s + got[i] - base : e - base], s + got[i]),
+                    )
+                )
+                waiting.append(i)
+        results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
+        for i, result in zip(waiting, await gather(calls) if calls else [], strict=True):
+            results[i] = outcome.Value(got[i] + result.value) if isinstance(result, outcome.Value) else result
+        redo = []
+        for i, ((s, e, d), result) in enumerate(zip(runs, results, strict=True)):
+            if d == 0:
+                continue
+            if isinstance(result, outcome.Error):
+                problem = f"read error at {s}: {_describe(result.error)}"
+            elif result.value < min(e, size) - s:
+                problem = f"short read at {s}: {result.value} of {min(e, size) - s} bytes"
+            else:
+                self.stats.served(d, _overlap(s, e, off, end))
+                continue
+            self.stats.failed(d, problem)
+            self.stats.fallbacks += 1
+            self._mirror_trouble(of.file, d, problem)
+            redo.append(i)
+        if redo:
+            again = await gather(
+                [
+                    (
+                        self.workers[0],
+                        self.io.pread_into,
+                        (of.fds[0], view[runs[i][0] - base : runs[i][1] - base], runs[i][0]),
+                    )
+                    for i in redo
+                ]
+            )
+            for i, result in zip(redo, again, strict=True):
+                results[i] = result
+                runs[i] = (runs[i][0], runs[i][1], 0)
+        valid = base
+        for (s, e, d), result in zip(runs, results, strict=True):
+            if isinstance(result, outcome.Error):  # only the primary's errors are left
+                self.stats.failed(0, f"read error at {s}: {_describe(result.error)}")
+                self._warn((of.file.relpath, 0), "%s: primary read error: %s", of.file.relpath, result.error)
+                raise result.error
+            if d == 0:
+                self.stats.served(0, _overlap(s, s + result.value, off, end))
+            valid += result.value
+            if result.value < e - s:  # end of file (or the file shrank under us)
+                break
+        return valid
 
     def _mirror_trouble(self, f: ServedFile, drive: int, problem: str) -> None:
         self._warn(
@@ -175,3 +209,30 @@ class Reader:
             self.replicas[drive].root,
             problem,
         )
+
+
+def snap(runs: list[tuple[int, int, int]], stop: int) -> list[tuple[int, int, int]]:
+    """Move run boundaries to the nearest BLOCK multiple and the last end to `stop`.
+
+    Every copy used holds the same bytes, so this only shifts < BLOCK bytes between drives, and
+    lets each run be read with O_DIRECT straight into its place in one aligned buffer.
+    """
+    bounds = [runs[0][0]] + [align_down(s + BLOCK // 2) for s, _, _ in runs[1:]] + [stop]
+    out: list[tuple[int, int, int]] = []
+    for (_, _, d), s, e in zip(runs, bounds, bounds[1:], strict=False):
+        if s >= e:
+            continue
+        if out and out[-1][2] == d:
+            out[-1] = (out[-1][0], e, d)
+        else:
+            out.append((s, e, d))
+    return out
+
+
+def _overlap(s: int, e: int, off: int, end: int) -> int:
+    """Bytes of [s, e) inside the caller's range [off, end): what the drive delivered to the mount."""
+    return max(0, min(e, end) - max(s, off))
+
+
+def _describe(error: BaseException) -> str:
+    return (error.strerror if isinstance(error, OSError) else None) or repr(error)

@@ -3,7 +3,8 @@
 pyfuse3 runs every handler on one thread, so a blocking pread there would stall the whole mount.
 `trio.to_thread.run_sync` costs ~90–150 µs per call here; long-lived threads fed through a
 SimpleQueue and answering with one `run_sync_soon` are cheaper, and the thread count is the
-per-drive capacity limit (the number of reads in flight on that drive).
+per-drive capacity limit (the number of reads in flight on that drive). `gather` hands several
+calls (on several drives) over at once and wakes the caller once, when the last one is done.
 """
 
 from __future__ import annotations
@@ -11,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import outcome
 import trio
 
-T = TypeVar("T")
+Call = tuple["DriveWorkers", Callable[..., Any], tuple[Any, ...]]
 _Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[outcome.Outcome], None]]
 
 
@@ -31,6 +32,7 @@ class DriveWorkers:
 
     def __init__(self, name: str, threads: int) -> None:
         self.name = name
+        self.busy = 0  # jobs queued or running: reads in flight on this drive
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(threads)
@@ -43,18 +45,17 @@ class DriveWorkers:
             fn, args, deliver = job
             deliver(outcome.capture(fn, *args))
 
-    async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run fn(*args) on one of this drive's threads and return (or raise) its result."""
-        task = trio.lowlevel.current_task()
-        token = trio.lowlevel.current_trio_token()
-
-        def deliver(result: outcome.Outcome) -> None:
-            # RunFinishedError: the loop is gone (shutdown), nobody waits for this result any more.
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(trio.lowlevel.reschedule, task, result)
-
+    def submit(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], deliver: Callable[[outcome.Outcome], None]
+    ) -> None:
+        """Queue fn(*args); `deliver(outcome)` is called on the worker thread when it is done."""
+        self.busy += 1
         self._queue.put((fn, args, deliver))
-        return await trio.lowlevel.wait_task_rescheduled(_abort_failed)
+
+    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run fn(*args) on one of this drive's threads and return (or raise) its result."""
+        (result,) = await gather([(self, fn, args)])
+        return result.unwrap()
 
     def close(self) -> None:
         """Stop the threads once the queued jobs are done."""
@@ -62,3 +63,30 @@ class DriveWorkers:
             self._queue.put(None)
         for t in self._threads:
             t.join()
+
+
+async def gather(calls: Sequence[Call]) -> list[outcome.Outcome]:
+    """Run every call on its drive's threads, concurrently; their outcomes, in order."""
+    task = trio.lowlevel.current_task()
+    token = trio.lowlevel.current_trio_token()
+    results: list[outcome.Outcome] = [outcome.Value(None)] * len(calls)
+    left = len(calls)
+
+    def done(i: int, workers: DriveWorkers, result: outcome.Outcome) -> None:  # on the trio thread
+        nonlocal left
+        results[i] = result
+        workers.busy -= 1
+        left -= 1
+        if left == 0:
+            trio.lowlevel.reschedule(task)
+
+    for i, (workers, fn, args) in enumerate(calls):
+
+        def deliver(result: outcome.Outcome, i: int = i, workers: DriveWorkers = workers) -> None:
+            # RunFinishedError: the loop is gone (shutdown), nobody waits for this result any more.
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(done, i, workers, result)
+
+        workers.submit(fn, args, deliver)
+    await trio.lowlevel.wait_task_rescheduled(_abort_failed)
+    return results

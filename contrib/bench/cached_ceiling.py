@@ -1,8 +1,10 @@
 """The mount's own cost: backing files in page cache, so no drive limits either side.
 
-Side by side in one run: 1 MiB reads of the backing file directly (page cache) vs 1 MiB O_DIRECT
-client reads through a colifs mount (every request reaches the daemon), for 1 and 8 reader
-threads, with the daemon's CPU seconds per GB. Usage: python contrib/bench/cached_ceiling.py [MB]
+Side by side in one run, 1 MiB reads: the backing files directly (page cache); O_DIRECT client
+reads (every request reaches the daemon) through a bare inline-pread pyfuse3 filesystem (the
+reference: the least a Python FUSE daemon does) and through colifs; 1 and 8 reader threads; each
+daemon's CPU seconds per GB.
+Usage: python contrib/bench/cached_ceiling.py [MB] [colifs mount flags, e.g. --backing-io buffered]
 """
 
 from __future__ import annotations
@@ -67,22 +69,44 @@ def main() -> int:
         total = sum(p.stat().st_size for p in paths)
         for p in paths + sorted(mirror.glob("*.safetensors")):
             p.read_bytes()  # into page cache
-        subprocess.run(
-            [*colifs, "mount", str(primary), str(mirror), str(mnt)], check=True, capture_output=True
+        bare_mnt = work / "bare"
+        bare_mnt.mkdir()
+        bare = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("bare_fs.py")), str(primary), str(bare_mnt)]
         )
+        subprocess.run(
+            [*colifs, "mount", str(primary), str(mirror), str(mnt), *sys.argv[2:]],
+            check=True,
+            capture_output=True,
+        )
+        while not (bare_mnt / paths[0].name).exists():
+            time.sleep(0.05)
         pid = json.loads((mnt / ".colifs" / "stats.json").read_text())["pid"]
-        via = [mnt / p.name for p in paths]
         print(f"{len(paths)} shards, {total / 1e9:.2f} GB, backing files in page cache, 1 MiB requests")
-        print(f"{'threads':>7} {'direct GB/s':>12} {'mount GB/s':>11} {'ratio':>6} {'daemon s/GB':>12}")
+        print(f"colifs flags: {' '.join(sys.argv[2:]) or '(defaults)'}")
+        print(
+            f"{'threads':>7} {'direct':>8} {'bare':>6} {'colifs':>7} {'colifs/direct':>14}"
+            f" {'colifs/bare':>12}"
+            f" {'bare s/GB':>10} {'colifs s/GB':>12}"
+        )
         for threads in (1, 8):
             direct = read_all(paths, threads, direct=False)
-            c0 = cpu_seconds(pid)
-            through = read_all(via, threads, direct=True)
-            cpu = (cpu_seconds(pid) - c0) / (total / 1e9)
-            print(f"{threads:>7} {direct:>12.2f} {through:>11.2f} {through / direct:>6.2f} {cpu:>12.2f}")
+            rates, cpus = [], []
+            for root, daemon in ((bare_mnt, bare.pid), (mnt, pid)):
+                c0 = cpu_seconds(daemon)
+                rates.append(read_all([root / p.name for p in paths], threads, direct=True))
+                cpus.append((cpu_seconds(daemon) - c0) / (total / 1e9))
+            print(
+                f"{threads:>7} {direct:>8.2f} {rates[0]:>6.2f} {rates[1]:>7.2f} {rates[1] / direct:>14.2f}"
+                f" {rates[1] / rates[0]:>12.2f} {cpus[0]:>10.2f} {cpus[1]:>12.2f}"
+            )
+        print("(GB/s; s/GB = daemon CPU seconds per GB served)")
         subprocess.run([*colifs, "umount", str(mnt)], check=True)
+        subprocess.run(["fusermount3", "-u", str(bare_mnt)], check=True)
+        bare.wait()
     finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+        for m in (mnt, work / "bare"):
+            subprocess.run(["fusermount3", "-u", "-z", str(m)], capture_output=True)
         shutil.rmtree(work)
     return 0
 
