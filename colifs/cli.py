@@ -36,8 +36,17 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--weights",
         metavar="W0,W1,...",
-        help=f"relative read bandwidth of each replica, primary first (default: ${WEIGHTS_ENV}, else equal)",
+        help=f"relative read bandwidth of each replica, primary first (default: ${WEIGHTS_ENV}, "
+        "else measured by a probe at mount)",
     )
+    m.add_argument(
+        "--probe-seconds",
+        type=float,
+        default=2.0,
+        metavar="S",
+        help="without weights, measure each drive for about S seconds at mount (default: 2)",
+    )
+    m.add_argument("--no-probe", action="store_true", help="without weights, use equal weights, no probe")
     m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     m.add_argument(
         "--allow-other",
@@ -46,6 +55,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--threads-per-drive", type=int, default=8, metavar="N", help="reads in flight per drive (default: 8)"
+    )
+    m.add_argument(
+        "--readahead-kb",
+        type=int,
+        default=None,
+        metavar="KB",
+        help="readahead of the mount (root only; default: 4096, 0 = the kernel's default); "
+        "larger sends bigger requests to the daemon, but over-reads on random small mmap touches",
+    )
+    m.add_argument(
+        "--max-background",
+        type=int,
+        default=None,
+        metavar="N",
+        help="FUSE requests in flight for readahead (root only; default: 64, 0 = the kernel's 12)",
     )
     m.add_argument(
         "--backing-io",
@@ -66,6 +90,15 @@ def _parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint")
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon (default: 60)")
 
+    p_ = sub.add_parser(
+        "probe",
+        help="measure each drive's read bandwidth, suggest --weights",
+        description="Measure each replica's read bandwidth the way an MoE engine reads (parallel ~19 MB "
+        "O_DIRECT reads at spread offsets of its largest model files) and suggest --weights.",
+    )
+    p_.add_argument("dirs", nargs="+", metavar="DIR", help="PRIMARY [MIRROR ...]")
+    p_.add_argument("--seconds", type=float, default=2.0, help="seconds per drive (default: 2)")
+
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
@@ -79,7 +112,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return {"mount": cmd_mount, "umount": cmd_umount, "stats": cmd_stats}[args.command](args)
+        commands = {"mount": cmd_mount, "umount": cmd_umount, "probe": cmd_probe, "stats": cmd_stats}
+        return commands[args.command](args)
     except QuietError as e:
         print(f"colifs: error: {e}", file=sys.stderr)
         return e.exit_code
@@ -92,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfuse3 is heavy)
-    from colifs.mount import MountConfig
+    from colifs.kernel import Knobs
+    from colifs.mount import DEFAULT_MAX_BACKGROUND, DEFAULT_READ_AHEAD_KB, MountConfig
     from colifs.routing import parse_weights
 
     if len(args.dirs) < 2:
@@ -107,18 +142,28 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
             weights = parse_weights(text, len(roots))
         except ValueError as e:
             raise UsageError(str(e)) from None
-    else:
+    elif args.no_probe or len(roots) == 1:
         source = "default (equal)"
+    else:
+        source = "probed"
     if args.threads_per_drive < 1:
         raise UsageError("--threads-per-drive must be at least 1")
+    knobs = Knobs(
+        DEFAULT_READ_AHEAD_KB if args.readahead_kb is None else args.readahead_kb,
+        DEFAULT_MAX_BACKGROUND if args.max_background is None else args.max_background,
+    )
+    if knobs.read_ahead_kb < 0 or knobs.max_background < 0:
+        raise UsageError("--readahead-kb and --max-background must be 0 or more")
     return MountConfig(
         roots[0],
         roots[1:],
         mountpoint,
         weights,
         source,
+        probe_seconds=0.0 if args.no_probe else args.probe_seconds,
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
+        knobs=knobs,
         allow_other=args.allow_other,
     )
 
@@ -241,6 +286,24 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+# -- probe ---------------------------------------------------------------------------------------
+
+
+def cmd_probe(args: argparse.Namespace) -> int:
+    from colifs import logs
+    from colifs.mount import build_files, check_roots
+    from colifs.probe import probe, table
+    from colifs.tree import Tree
+
+    logs.setup()
+    if args.seconds <= 0:
+        raise UsageError("--seconds must be positive")
+    replicas = check_roots(args.dirs, error=UsageError)
+    files = build_files(Tree(replicas[0].root), replicas)
+    print(table(probe(replicas, list(files.values()), args.seconds)))
+    return 0
 
 
 # -- stats ---------------------------------------------------------------------------------------

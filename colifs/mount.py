@@ -11,14 +11,16 @@ import signal
 import stat
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pyfuse3
 import trio
 
 from colifs.backing import BackingIO, OsIO
-from colifs.errors import MountError
+from colifs.errors import MountError, QuietError
 from colifs.fs import STATS_INO, ColiFS
+from colifs.kernel import Knobs, tune
+from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
 from colifs.routing import positions
@@ -28,16 +30,22 @@ from colifs.workers import DriveWorkers
 
 log = logging.getLogger("colifs")
 
+# Chosen by the benchmark in docs/benchmarks.md (buffered and mmap readers, one and many).
+DEFAULT_READ_AHEAD_KB = 4096
+DEFAULT_MAX_BACKGROUND = 64
+
 
 @dataclass
 class MountConfig:
     primary: str
     mirrors: list[str]
     mountpoint: str
-    weights: list[float] | None = None  # None: equal
-    weights_source: str = "default (equal)"
+    weights: list[float] | None = None  # None: probed (or equal when probe_seconds is 0)
+    weights_source: str = "probed"
+    probe_seconds: float = 2.0
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
+    knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
     allow_other: bool = False
     fuse_options: list[str] = field(default_factory=list)
 
@@ -51,22 +59,34 @@ def _same_or_inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
-    """Resolve and check the directories; raises MountError with one clear line."""
+def check_roots(
+    paths: list[str], weights: list[float] | None = None, error: type[QuietError] = MountError
+) -> list[Replica]:
+    """Resolve the replica directories (primary first); `error` with one clear line if one is bad."""
     roots = []
-    for role, path in [("primary", cfg.primary)] + [("mirror", m) for m in cfg.mirrors]:
+    for i, path in enumerate(paths):
         real = os.path.realpath(path)
         if not os.path.isdir(real):
             what = "does not exist" if not os.path.exists(real) else "is not a directory"
-            raise MountError(f"{role} {path} {what}")
+            raise error(f"{'mirror' if i else 'primary'} {path} {what}")
         roots.append(real)
     seen = {}
     for root in roots:
         st = os.stat(root)
         ident = (st.st_dev, st.st_ino)
         if ident in seen:
-            raise MountError(f"{root} and {seen[ident]} are the same directory")
+            raise error(f"{root} and {seen[ident]} are the same directory")
         seen[ident] = root
+    weights = weights or [1.0] * len(roots)
+    if len(weights) != len(roots):
+        raise error(f"{len(weights)} weights for {len(roots)} replicas")
+    return [Replica(i, root, w) for i, (root, w) in enumerate(zip(roots, weights, strict=True))]
+
+
+def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
+    """Resolve and check the directories; raises MountError with one clear line."""
+    replicas = check_roots([cfg.primary, *cfg.mirrors], cfg.weights)
+    roots = [r.root for r in replicas]
     try:
         mnt_st = os.stat(cfg.mountpoint)
     except FileNotFoundError:
@@ -91,10 +111,7 @@ def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
         raise MountError(f"mountpoint {cfg.mountpoint} is already a mount point")
     if os.listdir(mnt):
         raise MountError(f"mountpoint {cfg.mountpoint} is not empty")
-    weights = cfg.weights or [1.0] * len(roots)
-    if len(weights) != len(roots):
-        raise MountError(f"{len(weights)} weights for {len(roots)} replicas")
-    return [Replica(i, root, w) for i, (root, w) in enumerate(zip(roots, weights, strict=True))], mnt
+    return replicas, mnt
 
 
 def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
@@ -131,7 +148,23 @@ def serve(
     t0 = time.monotonic()
     tree = Tree(replicas[0].root)
     files = build_files(tree, replicas)
+    probed: list[ProbeResult] = []
+    if cfg.weights is None and cfg.probe_seconds > 0 and len(replicas) > 1:
+        probed = probe(replicas, list(files.values()), cfg.probe_seconds)
+        for line in table(probed).splitlines():
+            log.info("probe: %s", line)
+        replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]
     stats = Stats(replicas, cfg.weights_source, mnt)
+    stats.probe = [
+        {
+            "path": p.replica.root,
+            "mb_per_s": p.mb_per_s,
+            "bytes": p.nbytes,
+            "seconds": p.seconds,
+            "direct": p.direct,
+        }
+        for p in probed
+    ]
     log.addHandler(KeepWarnings(stats))
     log.info("%s", describe(replicas, cfg.weights_source, files))
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
@@ -149,7 +182,7 @@ def serve(
             w.close()
         raise MountError(f"cannot mount on {mnt}: {e}") from None
     try:
-        trio.run(_main, mnt, on_ready)
+        trio.run(_main, mnt, cfg.knobs, stats, on_ready)
     finally:
         pyfuse3.close(unmount=True)
         for w in workers:
@@ -157,7 +190,7 @@ def serve(
     log.debug("unmounted %s", mnt)
 
 
-async def _main(mnt: str, on_ready: Callable[[], None]) -> None:
+async def _main(mnt: str, knobs: Knobs, stats: Stats, on_ready: Callable[[], None]) -> None:
     async with trio.open_nursery() as nursery:
 
         async def fuse_loop() -> None:
@@ -176,4 +209,6 @@ async def _main(mnt: str, on_ready: Callable[[], None]) -> None:
         # Ready means serving: a real request through the kernel proves it.
         await trio.to_thread.run_sync(os.stat, os.path.join(mnt, ".colifs", "stats"))
         log.debug("serving %s (stats inode %d answered)", mnt, STATS_INO)
+        stats.kernel = await trio.to_thread.run_sync(tune, mnt, knobs)
+        log.info("kernel: %s", ", ".join(f"{k} {v}" for k, v in stats.kernel.items()))
         on_ready()

@@ -30,6 +30,8 @@ class Stats:
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
         self.warnings: deque[str] = deque(maxlen=50)
+        self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
+        self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -66,6 +68,8 @@ class Stats:
             "mountpoint": self.mountpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "weights_source": self.weights_source,
+            "kernel": self.kernel,
+            "probe": self.probe,
             "replicas": [
                 {
                     "name": name,

@@ -1,0 +1,77 @@
+"""Kernel knobs of one FUSE mount: the bdi's readahead and the connection's background queue.
+
+Buffered and mmap reads reach a FUSE daemon as 128 KiB requests, 2 in flight, with the default
+readahead: too few to keep two drives busy. A larger `read_ahead_kb` on the mount's bdi makes the
+kernel send 1 MiB requests, more of them in flight, bounded by the connection's `max_background`.
+Both live in sysfs and need root; without it the defaults stay and this says so once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+from dataclasses import dataclass
+
+log = logging.getLogger("colifs")
+
+CONNECTIONS = "/sys/fs/fuse/connections"
+
+
+@dataclass
+class Knobs:
+    read_ahead_kb: int  # 0: leave the kernel's default
+    max_background: int  # 0: leave the kernel's default; congestion_threshold follows at 3/4
+
+
+def _write(path: str, value: int) -> None:
+    with open(path, "w") as f:
+        f.write(f"{value}\n")
+
+
+def _read(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _connections_dir() -> str | None:
+    if os.path.isdir(CONNECTIONS) and os.listdir(CONNECTIONS):
+        return CONNECTIONS
+    if os.path.isdir(CONNECTIONS) and os.geteuid() == 0:  # fusectl not mounted yet
+        subprocess.run(["mount", "-t", "fusectl", "none", CONNECTIONS], capture_output=True)
+        if os.listdir(CONNECTIONS):
+            return CONNECTIONS
+    return None
+
+
+def tune(mountpoint: str, knobs: Knobs) -> dict[str, int | None]:
+    """Apply the knobs to the mount at `mountpoint` (call it once the mount serves: it stats it).
+
+    Returns the values in force afterwards, as read back from sysfs (None: not readable).
+    """
+    dev = os.stat(mountpoint).st_dev
+    bdi = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    conn = _connections_dir()
+    conn_dir = os.path.join(conn, str(os.minor(dev))) if conn else None
+    wanted = []
+    if knobs.read_ahead_kb:
+        wanted.append((bdi, knobs.read_ahead_kb))
+    if knobs.max_background and conn_dir:
+        # max_background first: the kernel refuses a congestion_threshold above it.
+        wanted.append((os.path.join(conn_dir, "max_background"), knobs.max_background))
+        wanted.append((os.path.join(conn_dir, "congestion_threshold"), knobs.max_background * 3 // 4))
+    elif knobs.max_background:
+        log.warning("cannot find %s/<connection>: max_background left at the kernel's default", CONNECTIONS)
+    for path, value in wanted:
+        try:
+            _write(path, value)
+        except OSError as e:
+            log.warning("cannot set %s to %d (%s); kernel default kept", path, value, e.strerror)
+    return {
+        "read_ahead_kb": _read(bdi),
+        "max_background": _read(os.path.join(conn_dir, "max_background")) if conn_dir else None,
+        "congestion_threshold": _read(os.path.join(conn_dir, "congestion_threshold")) if conn_dir else None,
+    }

@@ -1,0 +1,148 @@
+"""Startup bandwidth probe: how fast each replica reads with the engine's access pattern.
+
+Per replica, one after the other: `parallel` threads read ~19 MB pieces (an expert's size in big
+MoE models) at spread offsets of the largest model files that replica holds, with O_DIRECT (the
+page cache would fake the result), for at most `seconds`. The weights are the MB/s figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from colifs.buffers import align_down
+from colifs.replicas import Replica, ServedFile
+
+log = logging.getLogger("colifs")
+
+PIECE = 19 << 20
+SUB = 4 << 20  # a piece is read in sub-reads so that a slow drive still stops near the deadline
+GOLDEN = 0.6180339887498949  # spreads successive offsets evenly over a file without a seed
+
+
+@dataclass
+class ProbeResult:
+    replica: Replica
+    mb_per_s: float | None  # None: it holds no model file to read
+    nbytes: int
+    seconds: float
+    direct: bool
+
+
+def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
+    """(path, offset) pairs spread over the data of the replica's largest model files."""
+    held = sorted(
+        (f for f in files if f.layout is not None and replica.index in f.replicas),
+        key=lambda f: f.size,
+        reverse=True,
+    )[:8]
+    out = []
+    for k in range(count):
+        if not held:
+            break
+        f = held[k % len(held)]
+        assert f.layout is not None
+        span = max(0, f.size - f.layout.data_start - PIECE)
+        off = align_down(f.layout.data_start + int((k // len(held)) * GOLDEN % 1.0 * span))
+        out.append((os.path.join(replica.root, f.relpath), off))
+    return out
+
+
+def _open(path: str) -> tuple[int, bool]:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC), True
+    except OSError:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # at least start cold
+        return fd, False
+
+
+def probe_replica(
+    replica: Replica, files: Sequence[ServedFile], seconds: float = 2.0, parallel: int = 4
+) -> ProbeResult:
+    """Read for about `seconds` (a little more to let the last reads land) and time it."""
+    targets = _targets(replica, files, 256)
+    if not targets:
+        return ProbeResult(replica, None, 0, 0.0, True)
+    lock = threading.Lock()
+    queue = iter(targets)
+    done = [0]
+    direct = [True]
+    deadline = time.monotonic() + seconds
+
+    last = [0.0]
+
+    def work() -> None:
+        buf = mmap.mmap(-1, SUB)
+        fds: dict[str, int] = {}
+        try:
+            while time.monotonic() < deadline:
+                with lock:
+                    item = next(queue, None)
+                if item is None:
+                    return
+                path, off = item
+                if path not in fds:
+                    fds[path], ok = _open(path)
+                    direct[0] &= ok
+                for sub in range(off, off + PIECE, SUB):
+                    if time.monotonic() >= deadline:
+                        return
+                    n = os.preadv(fds[path], [buf], sub)
+                    with lock:
+                        done[0] += n
+                        last[0] = time.monotonic()
+                    if n < SUB:
+                        break
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(parallel)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    elapsed = max(last[0] - t0, 1e-9)
+    return ProbeResult(replica, done[0] / elapsed / 1e6, done[0], elapsed, direct[0])
+
+
+def probe(
+    replicas: Sequence[Replica], files: Sequence[ServedFile], seconds: float = 2.0
+) -> list[ProbeResult]:
+    """Probe every replica in turn (one at a time: they may share a controller or a bus)."""
+    results = []
+    for r in replicas:
+        res = probe_replica(r, files, seconds)
+        if not res.direct:
+            log.warning(
+                "probe of %s: its filesystem refuses O_DIRECT, so the page cache may inflate the result",
+                r.root,
+            )
+        results.append(res)
+    return results
+
+
+def weights_from(results: Sequence[ProbeResult]) -> list[float]:
+    """MB/s per replica, to 3 significant digits; a replica with nothing to read gets the primary's."""
+    primary = results[0].mb_per_s or 1.0
+    return [float(f"{(r.mb_per_s or primary):.3g}") for r in results]
+
+
+def table(results: Sequence[ProbeResult]) -> str:
+    rows = [f"{'replica':<8} {'path':<40} {'MB/s':>9} {'read':>9} {'O_DIRECT':>8}"]
+    for r in results:
+        rate = "-" if r.mb_per_s is None else f"{r.mb_per_s:.1f}"
+        direct = "yes" if r.direct else "NO"
+        rows.append(
+            f"{r.replica.role:<8} {r.replica.root:<40} {rate:>9} {r.nbytes / 1e6:>7.0f}MB {direct:>8}"
+        )
+    w = weights_from(results)
+    rows.append("suggested: --weights " + ",".join(f"{x:g}" for x in w))
+    return "\n".join(rows)
