@@ -99,6 +99,37 @@ def _parser() -> argparse.ArgumentParser:
     p_.add_argument("dirs", nargs="+", metavar="DIR", help="PRIMARY [MIRROR ...]")
     p_.add_argument("--seconds", type=float, default=2.0, help="seconds per drive (default: 2)")
 
+    b = sub.add_parser(
+        "bench",
+        help="read a model directory the way an MoE engine decodes",
+        description="N readers fetch whole routed experts (all tensors of one layer's expert, found "
+        "through the headers) at random, from a colifs mount or plain directories. Several DIRs (full "
+        "copies) are read in parallel with colifs' routing and --weights: the physical limit.",
+    )
+    b.add_argument("dirs", nargs="+", metavar="DIR", help="a colifs mount, or directories (primary first)")
+    b.add_argument("--weights", metavar="W0,W1,...", help="split between several DIRs (default: equal)")
+    b.add_argument("--threads", type=int, default=4, help="reader threads (default: 4)")
+    b.add_argument("--seconds", type=float, default=10.0, help="duration (default: 10)")
+    b.add_argument(
+        "--zipf", type=float, default=0.0, metavar="A", help="skew of expert choice (default: 0, uniform)"
+    )
+    how = b.add_mutually_exclusive_group()
+    how.add_argument(
+        "--odirect", dest="mode", action="store_const", const="odirect", help="O_DIRECT preads (default)"
+    )
+    how.add_argument(
+        "--buffered", dest="mode", action="store_const", const="buffered", help="buffered preads"
+    )
+    how.add_argument(
+        "--mmap", dest="mode", action="store_const", const="mmap", help="copy out of an mmap (page faults)"
+    )
+    b.add_argument("--warm", action="store_true", help="do not drop caches first")
+    b.add_argument(
+        "--inflight", metavar="DEV,...", default="", help="sample reads in flight of these block devices"
+    )
+    b.add_argument("--json", action="store_true", help="print the figures as JSON")
+    b.set_defaults(mode="odirect")
+
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
@@ -112,7 +143,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        commands = {"mount": cmd_mount, "umount": cmd_umount, "probe": cmd_probe, "stats": cmd_stats}
+        commands = {
+            "mount": cmd_mount,
+            "umount": cmd_umount,
+            "probe": cmd_probe,
+            "bench": cmd_bench,
+            "stats": cmd_stats,
+        }
         return commands[args.command](args)
     except QuietError as e:
         print(f"colifs: error: {e}", file=sys.stderr)
@@ -303,6 +340,36 @@ def cmd_probe(args: argparse.Namespace) -> int:
     replicas = check_roots(args.dirs, error=UsageError)
     files = build_files(Tree(replicas[0].root), replicas)
     print(table(probe(replicas, list(files.values()), args.seconds)))
+    return 0
+
+
+# -- bench ---------------------------------------------------------------------------------------
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from colifs import bench
+    from colifs.routing import parse_weights
+
+    for d in args.dirs:
+        if not os.path.isdir(d):
+            raise UsageError(f"{d} is not a directory")
+    if args.threads < 1 or args.seconds <= 0 or args.zipf < 0:
+        raise UsageError("--threads must be at least 1, --seconds positive, --zipf 0 or more")
+    try:
+        weights = parse_weights(args.weights, len(args.dirs)) if args.weights else None
+        result = bench.run(
+            args.dirs,
+            weights,
+            threads=args.threads,
+            seconds=args.seconds,
+            zipf=args.zipf,
+            mode=args.mode,
+            cold=not args.warm,
+            devices=[d for d in args.inflight.split(",") if d],
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(result) if args.json else bench.report(result))
     return 0
 
 

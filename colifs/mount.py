@@ -33,6 +33,7 @@ log = logging.getLogger("colifs")
 # Chosen by the benchmark in docs/benchmarks.md (buffered and mmap readers, one and many).
 DEFAULT_READ_AHEAD_KB = 4096
 DEFAULT_MAX_BACKGROUND = 64
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass
@@ -175,40 +176,56 @@ def serve(
     if cfg.allow_other:
         options.add("allow_other")
     options.update(cfg.fuse_options)
+    # From here on a signal must unmount, never kill: it is recorded until trio takes over.
+    early: list[int] = []
+    previous = {s: signal.signal(s, lambda sig, _: early.append(sig)) for s in STOP_SIGNALS}
     try:
-        pyfuse3.init(ops, mnt, options)
-    except RuntimeError as e:
-        for w in workers:
-            w.close()
-        raise MountError(f"cannot mount on {mnt}: {e}") from None
-    try:
-        trio.run(_main, mnt, cfg.knobs, stats, on_ready)
+        try:
+            pyfuse3.init(ops, mnt, options)
+        except RuntimeError as e:
+            raise MountError(f"cannot mount on {mnt}: {e}") from None
+        try:
+            trio.run(_main, mnt, cfg.knobs, stats, on_ready, early)
+        finally:
+            pyfuse3.close(unmount=True)
     finally:
-        pyfuse3.close(unmount=True)
         for w in workers:
             w.close()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     log.debug("unmounted %s", mnt)
 
 
-async def _main(mnt: str, knobs: Knobs, stats: Stats, on_ready: Callable[[], None]) -> None:
+async def _main(mnt: str, knobs: Knobs, stats: Stats, on_ready: Callable[[], None], early: list[int]) -> None:
     async with trio.open_nursery() as nursery:
 
         async def fuse_loop() -> None:
             await pyfuse3.main(max_tasks=64)
             nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
 
-        async def signals() -> None:
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as sigs:
+        def stop(sig: int) -> None:
+            log.info("signal %s: unmounting %s", signal.Signals(sig).name, mnt)
+            pyfuse3.terminate()
+            # The start-up calls below go through the mount: once the loop stops they would wait
+            # forever, so they are abandoned (pyfuse3.close then unmounts and they return).
+            nursery.cancel_scope.cancel()
+
+        async def signals(task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+            with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
+                task_status.started()
+                if early:
+                    stop(early[0])
+                    return
                 async for sig in sigs:
-                    log.info("signal %s: unmounting %s", signal.Signals(sig).name, mnt)
-                    pyfuse3.terminate()
+                    stop(sig)
                     return
 
         nursery.start_soon(fuse_loop)
-        nursery.start_soon(signals)
+        await nursery.start(signals)
         # Ready means serving: a real request through the kernel proves it.
-        await trio.to_thread.run_sync(os.stat, os.path.join(mnt, ".colifs", "stats"))
+        path = os.path.join(mnt, ".colifs", "stats")
+        await trio.to_thread.run_sync(os.stat, path, abandon_on_cancel=True)
         log.debug("serving %s (stats inode %d answered)", mnt, STATS_INO)
-        stats.kernel = await trio.to_thread.run_sync(tune, mnt, knobs)
+        stats.kernel = await trio.to_thread.run_sync(tune, mnt, knobs, abandon_on_cancel=True)
         log.info("kernel: %s", ", ".join(f"{k} {v}" for k, v in stats.kernel.items()))
         on_ready()

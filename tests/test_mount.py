@@ -390,18 +390,21 @@ def test_many_threads_opening_and_reading_at_once(model) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_a_foreground_mount_unmounts_cleanly(model, sig) -> None:
+@pytest.mark.parametrize("when", ["mounted, not yet serving", "serving"])
+def test_signal_to_a_foreground_mount_unmounts_cleanly(model, sig, when) -> None:
     primary, mirror, mnt = model
     proc = subprocess.Popen(
-        [*COLIFS, "mount", "-f", str(primary), str(mirror), str(mnt)], stderr=subprocess.PIPE, text=True
+        [*COLIFS, "mount", "-f", "--no-probe", str(primary), str(mirror), str(mnt)],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 30
-        while not (mnt / ".colifs").exists():
+        while not (is_mounted(mnt) if when.startswith("mounted") else (mnt / ".colifs").exists()):
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-            time.sleep(0.05)
+            time.sleep(0.001)
         proc.send_signal(sig)
-        assert proc.wait(timeout=30) == 0
+        assert proc.wait(timeout=15) == 0, proc.stderr.read()
         assert not is_mounted(mnt)
     finally:
         proc.kill()

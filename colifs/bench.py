@@ -1,0 +1,268 @@
+"""`colifs bench`: read a model directory the way an MoE engine decodes.
+
+N reader threads each fetch whole routed experts (every tensor of one (stack, layer, expert),
+found through the safetensors headers), picked at random, uniformly or with a Zipf skew. Works on
+a colifs mount or on plain directories; given several directories (full copies) and weights, each
+expert is read from the directory colifs' routing would pick: the two drives read directly, in
+parallel, with the ideal split (the physical limit colifs is measured against).
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import os
+import random
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from colifs.buffers import align_down, align_up
+from colifs.layout import ExpertKey, LayoutError, parse_header
+from colifs.replicas import read_header
+from colifs.routing import pick, positions
+
+
+@dataclass
+class Expert:
+    key: ExpertKey
+    ranges: list[tuple[str, int, int]] = field(default_factory=list)  # (relpath, start, end)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(e - s for _, s, e in self.ranges)
+
+
+def find_experts(root: str) -> list[Expert]:
+    """Every routed expert of the safetensors files under `root`, with its byte ranges."""
+    experts: dict[ExpertKey, Expert] = {}
+    for path in sorted(Path(root).rglob("*.safetensors")):
+        if not path.is_file():
+            continue
+        try:
+            size, header = read_header(str(path))
+            lay = parse_header(header, size)
+        except (OSError, LayoutError):
+            continue
+        rel = str(path.relative_to(root))
+        ends = [*lay.starts[1:], lay.size]
+        for start, end, key in zip(lay.starts, ends, lay.keys, strict=True):
+            if isinstance(key, ExpertKey):
+                experts.setdefault(key, Expert(key)).ranges.append((rel, start, end))
+    return list(experts.values())
+
+
+def drop_caches(roots: Sequence[str]) -> None:
+    """Cold cache: evict every file under the roots (and the whole page cache when root)."""
+    for root in roots:
+        for path in Path(root).rglob("*"):
+            if path.is_file() and not path.is_symlink():
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+    if os.geteuid() == 0:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+
+
+class _Chooser:
+    """Experts at random, shared by the reader threads.
+
+    Uniform: a shuffled order without replacement (reshuffled when used up), so no expert is read
+    twice before all were read once and a model that fits in RAM still reads cold. Zipf(a): with
+    replacement over a fixed shuffled order, so the hot experts may come from cache, as in use.
+    """
+
+    def __init__(self, n: int, zipf: float, seed: int) -> None:
+        self.n = n
+        self.rng = random.Random(seed)
+        self.order = list(range(n))
+        self.rng.shuffle(self.order)
+        self.next = 0
+        self.passes = 0  # times the uniform order was used up
+        self.lock = threading.Lock()
+        self.cum: list[float] = []
+        if zipf > 0:
+            acc = 0.0
+            for k in range(n):
+                acc += 1.0 / (k + 1) ** zipf
+                self.cum.append(acc)
+
+    def __call__(self, rng: random.Random) -> int:
+        if self.cum:
+            return self.order[bisect.bisect_left(self.cum, rng.random() * self.cum[-1])]
+        with self.lock:
+            if self.next == self.n:
+                self.rng.shuffle(self.order)
+                self.next = 0
+                self.passes += 1
+            self.next += 1
+            return self.order[self.next - 1]
+
+
+class _Reader:
+    """One reader thread's open files and buffer, in one access mode."""
+
+    def __init__(self, roots: Sequence[str], mode: str, max_range: int) -> None:
+        self.roots = roots
+        self.mode = mode
+        self.fds: dict[str, int] = {}
+        self.maps: dict[str, mmap.mmap] = {}
+        self.buf = mmap.mmap(-1, align_up(max_range) + 8192)
+
+    def read(self, root: str, rel: str, start: int, end: int) -> int:
+        path = os.path.join(root, rel)
+        if self.mode == "mmap":
+            mm = self.maps.get(path)
+            if mm is None:
+                with open(path, "rb") as f:
+                    mm = self.maps[path] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+            self.buf[: end - start] = mm[start:end]  # page faults, like an engine touching weights
+            return end - start
+        fd = self.fds.get(path)
+        if fd is None:
+            flags = os.O_RDONLY | (os.O_DIRECT if self.mode == "odirect" else 0)
+            fd = self.fds[path] = os.open(path, flags)
+        if self.mode == "odirect":
+            a, b = align_down(start), align_up(end)
+            n = os.preadv(fd, [memoryview(self.buf)[: b - a]], a)
+            return min(n, end - a) - (start - a)
+        return os.preadv(fd, [memoryview(self.buf)[: end - start]], start)
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        for mm in self.maps.values():
+            mm.close()
+
+
+def _sample_inflight(devices: Sequence[str], stop: threading.Event, out: dict[str, list[int]]) -> None:
+    """Reads in flight per block device, every 20 ms (/sys/block/DEV/inflight)."""
+    while not stop.wait(0.02):
+        for dev in devices:
+            try:
+                with open(f"/sys/block/{dev}/inflight") as f:
+                    out[dev].append(int(f.read().split()[0]))
+            except (OSError, ValueError, IndexError):
+                pass
+
+
+def run(
+    roots: Sequence[str],
+    weights: Sequence[float] | None = None,
+    threads: int = 4,
+    seconds: float = 10.0,
+    zipf: float = 0.0,
+    mode: str = "odirect",
+    cold: bool = True,
+    devices: Sequence[str] = (),
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Run the workload and return its figures (see `report`)."""
+    experts = find_experts(roots[0])
+    if not experts:
+        raise ValueError(f"{roots[0]}: no routed MoE expert tensors found in its *.safetensors files")
+    route = [0] * len(experts)
+    if len(roots) > 1:
+        where = positions(e.key for e in experts)
+        route = [pick(where[e.key], weights or [1.0] * len(roots)) for e in experts]
+    if cold:
+        drop_caches(roots)
+    choose = _Chooser(len(experts), zipf, seed)
+    max_range = max(e - s for x in experts for _, s, e in x.ranges)
+    lat: list[float] = []
+    total = [0, 0]  # bytes, experts
+    lock = threading.Lock()
+    deadline = time.monotonic() + seconds
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        rng = random.Random(seed * 1000 + k)
+        reader = _Reader(roots, mode, max_range)
+        try:
+            while time.monotonic() < deadline:
+                i = choose(rng)
+                t0 = time.monotonic()
+                n = sum(reader.read(roots[route[i]], rel, s, e) for rel, s, e in experts[i].ranges)
+                dt = time.monotonic() - t0
+                with lock:
+                    lat.append(dt)
+                    total[0] += n
+                    total[1] += 1
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            reader.close()
+
+    samples: dict[str, list[int]] = {d: [] for d in devices}
+    stop = threading.Event()
+    sampler = threading.Thread(target=_sample_inflight, args=(devices, stop, samples), daemon=True)
+    sampler.start()
+    t_start = time.monotonic()
+    pool = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(threads)]
+    for t in pool:
+        t.start()
+    while any(t.is_alive() for t in pool):
+        time.sleep(0.25)
+        if progress:
+            el = time.monotonic() - t_start
+            print(
+                f"\r  {el:5.1f}s  {total[0] / 1e9:7.2f} GB  {total[0] / 1e9 / el:6.3f} GB/s",
+                end="",
+                file=sys.stderr,
+            )
+    elapsed = time.monotonic() - t_start
+    stop.set()
+    sampler.join()
+    if progress:
+        print(file=sys.stderr)
+    if errors:
+        raise errors[0]
+    lat.sort()
+
+    def pct(p: float) -> float:
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else 0.0
+
+    return {
+        "roots": list(roots),
+        "mode": mode,
+        "threads": threads,
+        "zipf": zipf,
+        "seconds": elapsed,
+        "experts_total": len(experts),
+        "expert_mb": sum(x.nbytes for x in experts) / len(experts) / 1e6,
+        "bytes": total[0],
+        "experts": total[1],
+        "gb_per_s": total[0] / elapsed / 1e9,
+        "experts_per_s": total[1] / elapsed,
+        "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
+        "inflight": {d: (sum(v) / len(v) if v else None) for d, v in samples.items()},
+        "passes": choose.passes,
+    }
+
+
+def report(r: dict) -> str:
+    lat = r["latency_ms"]
+    lines = [
+        f"{', '.join(r['roots'])}: {r['mode']}, {r['threads']} threads, zipf {r['zipf']:g}, "
+        f"{r['experts_total']} experts of {r['expert_mb']:.2f} MB",
+        f"  {r['gb_per_s']:.3f} GB/s  {r['experts_per_s']:.1f} experts/s  latency ms p50 {lat['p50']:.1f} "
+        f"p90 {lat['p90']:.1f} p99 {lat['p99']:.1f}  ({r['bytes'] / 1e9:.2f} GB in {r['seconds']:.1f} s)",
+    ]
+    if r["passes"]:
+        lines.append(f"  every expert was read {r['passes']} time(s) over: later reads may come from cache")
+    if r["inflight"]:
+        lines.append(
+            "  reads in flight: "
+            + ", ".join(f"{d} {v:.2f}" for d, v in r["inflight"].items() if v is not None)
+        )
+    return "\n".join(lines)
