@@ -180,10 +180,17 @@ def run(
     choose = _Chooser(len(experts), zipf, seed)
     max_range = max(e - s for x in experts for _, s, e in x.ranges)
     lat: list[float] = []
-    total = [0, 0]  # bytes, experts
+    # Figures cover exactly [start, deadline]: a read that straddles the deadline counts for the
+    # part of its time before it. Readers finish the expert they are on, uncounted: with big
+    # experts that tail is seconds long, on the slowest drive, and would bias every rate down.
+    total = [0.0, 0.0]  # bytes, experts
     lock = threading.Lock()
-    deadline = time.monotonic() + seconds
+    t_start = time.monotonic()
+    deadline = t_start + seconds
     errors: list[BaseException] = []
+
+    def share(t0: float, t1: float) -> float:
+        return 1.0 if t1 <= deadline else max(0.0, deadline - t0) / (t1 - t0)
 
     def work(k: int) -> None:
         rng = random.Random(seed * 1000 + k)
@@ -191,13 +198,16 @@ def run(
         try:
             while time.monotonic() < deadline:
                 i = choose(rng)
-                t0 = time.monotonic()
-                n = sum(reader.read(roots[route[i]], rel, s, e) for rel, s, e in experts[i].ranges)
-                dt = time.monotonic() - t0
+                t_expert = time.monotonic()
+                for rel, s, e in experts[i].ranges:
+                    t0 = time.monotonic()
+                    n = reader.read(roots[route[i]], rel, s, e)
+                    t1 = time.monotonic()
+                    with lock:
+                        total[0] += n * share(t0, t1)
                 with lock:
-                    lat.append(dt)
-                    total[0] += n
-                    total[1] += 1
+                    lat.append(t1 - t_expert)
+                    total[1] += share(t_expert, t1)
         except BaseException as e:
             errors.append(e)
         finally:
@@ -207,20 +217,22 @@ def run(
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_inflight, args=(devices, stop, samples), daemon=True)
     sampler.start()
-    t_start = time.monotonic()
     pool = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(threads)]
     for t in pool:
         t.start()
     while any(t.is_alive() for t in pool):
         time.sleep(0.25)
+        now = time.monotonic()
+        if now >= deadline:
+            stop.set()  # in-flight samples cover the measured span only
         if progress:
-            el = time.monotonic() - t_start
+            el = min(now, deadline) - t_start
             print(
                 f"\r  {el:5.1f}s  {total[0] / 1e9:7.2f} GB  {total[0] / 1e9 / el:6.3f} GB/s",
                 end="",
                 file=sys.stderr,
             )
-    elapsed = time.monotonic() - t_start
+    elapsed = seconds
     stop.set()
     sampler.join()
     if progress:
@@ -240,7 +252,7 @@ def run(
         "seconds": elapsed,
         "experts_total": len(experts),
         "expert_mb": sum(x.nbytes for x in experts) / len(experts) / 1e6,
-        "bytes": total[0],
+        "bytes": round(total[0]),
         "experts": total[1],
         "gb_per_s": total[0] / elapsed / 1e9,
         "experts_per_s": total[1] / elapsed,

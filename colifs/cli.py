@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="KB",
-        help="readahead of the mount (root only; default: 4096, 0 = the kernel's default); "
+        help="readahead of the mount (root only; default: 512, 0 = the kernel's default); "
         "larger sends bigger requests to the daemon, but over-reads on random small mmap touches",
     )
     m.add_argument(

@@ -31,7 +31,7 @@ from colifs.workers import DriveWorkers
 log = logging.getLogger("colifs")
 
 # Chosen by the benchmark in docs/benchmarks.md (buffered and mmap readers, one and many).
-DEFAULT_READ_AHEAD_KB = 4096
+DEFAULT_READ_AHEAD_KB = 512
 DEFAULT_MAX_BACKGROUND = 64
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 

@@ -132,15 +132,14 @@ class Reader:
             self.pool.lend(buf)
         return view[off - start : valid - start] if valid > off else b""
 
-    async def _read_runs(
-        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, off: int, end: int
-    ) -> int:
-        """Read every run on its drive at once, re-read failed mirror runs from the primary.
+    async def _fetch(
+        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, base: int
+    ) -> list[outcome.Outcome]:
+        """Read each run on its drive, concurrently; per run, the byte count or the error.
 
-        Page-cache hits (buffered backing) are read inline without blocking; the rest goes to the
-        drives' workers. Returns the file offset up to which `view` holds valid bytes.
+        Page-cache hits (buffered backing) are read inline without blocking; the rest is handed
+        to the drives' workers all at once.
         """
-        base = runs[0][0]
         size = of.file.size
         got = [0] * len(runs)
         calls, waiting = [], []
@@ -148,17 +147,24 @@ class Reader:
             fd = of.fds[d]
             got[i] = self.io.pread_nowait(fd, view[s - base : e - base], s)
             if got[i] < min(e, size) - s:
-                calls.append(
-                    (
-                        self.workers[d],
-                        self.io.pread_into,
-                        (fd, view[s + got[i] - base : e - base], s + got[i]),
-                    )
-                )
+                rest = (fd, view[s + got[i] - base : e - base], s + got[i])
+                calls.append((self.workers[d], self.io.pread_into, rest))
                 waiting.append(i)
         results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
         for i, result in zip(waiting, await gather(calls) if calls else [], strict=True):
             results[i] = outcome.Value(got[i] + result.value) if isinstance(result, outcome.Value) else result
+        return results
+
+    async def _read_runs(
+        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, off: int, end: int
+    ) -> int:
+        """Read the runs, re-read failed mirror runs from the primary, count what each drive served.
+
+        Returns the file offset up to which `view` holds valid bytes.
+        """
+        base = runs[0][0]
+        size = of.file.size
+        results = await self._fetch(of, runs, view, base)
         redo = []
         for i, ((s, e, d), result) in enumerate(zip(runs, results, strict=True)):
             if d == 0:
@@ -175,16 +181,7 @@ class Reader:
             self._mirror_trouble(of.file, d, problem)
             redo.append(i)
         if redo:
-            again = await gather(
-                [
-                    (
-                        self.workers[0],
-                        self.io.pread_into,
-                        (of.fds[0], view[runs[i][0] - base : runs[i][1] - base], runs[i][0]),
-                    )
-                    for i in redo
-                ]
-            )
+            again = await self._fetch(of, [(runs[i][0], runs[i][1], 0) for i in redo], view, base)
             for i, result in zip(redo, again, strict=True):
                 results[i] = result
                 runs[i] = (runs[i][0], runs[i][1], 0)

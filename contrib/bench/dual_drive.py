@@ -17,6 +17,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,7 +47,9 @@ class Rig:
         for name in ("fast", "slow"):
             img = work / f"{name}.img"
             sh("truncate", "-s", f"{int(image_gb * 1024)}M", str(img))
-            loop = sh("losetup", "-f", "--show", str(img))
+            # direct-io: the loop device reads its image with O_DIRECT, not through the host's
+            # page cache, so it behaves like a drive under the throttle
+            loop = sh("losetup", "-f", "--show", "--direct-io=on", str(img))
             self.loops.append(loop)
             sh("mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop)
             d = work / name
@@ -97,8 +100,26 @@ def colifs_mount(dirs: list[Path], mnt: Path, *flags: str) -> Iterator[dict]:
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
+def settle() -> None:
+    """Wait for writeback of the freshly written checkpoint to finish, then drop caches."""
+    sh("sync")
+    for _ in range(600):
+        meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        if int(meminfo["Dirty"].split()[0]) + int(meminfo["Writeback"].split()[0]) < 10_000:
+            break
+        time.sleep(0.1)
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+
+
 def bench(dirs: list[Path], args: argparse.Namespace, devs: list[str], *extra: str) -> dict:
-    cmd = [*COLIFS, "bench", *map(str, dirs), "--json", "--threads", str(args.threads)]
+    cmd = [
+        *COLIFS,
+        "bench",
+        *map(str, dirs),
+        "--json",
+        "--threads",
+        str(args.threads),
+    ]  # a later --threads wins
     cmd += ["--seconds", str(args.seconds), "--inflight", ",".join(devs), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
@@ -114,7 +135,19 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=16, help="bench reader threads (default 16)")
     p.add_argument("--seconds", type=float, default=10, help="seconds per phase (default 10)")
     p.add_argument("--model-gb", type=float, default=2.0, help="checkpoint size (default 2)")
+    p.add_argument(
+        "--expert-mb",
+        type=float,
+        default=19,
+        help="size of one expert (default 19, as in big MoE models; the probe reads this size too)",
+    )
     p.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    p.add_argument(
+        "--sweep-readahead",
+        metavar="KB,...",
+        default="128,512,1024,2048,4096",
+        help="readahead values for the mmap/buffered sweep (default 128,512,1024,2048,4096; '' skips it)",
+    )
     args = p.parse_args()
     if os.geteuid() != 0:
         print("dual-drive: needs root (loop devices, mounts, blkio cgroup)", file=sys.stderr)
@@ -122,18 +155,25 @@ def main() -> int:
     if not os.path.isdir(CGROUP_ROOT):
         print(f"dual-drive: {CGROUP_ROOT} is missing (needs cgroup v1 blkio)", file=sys.stderr)
         return 2
+
+    def interrupted(sig: int, _: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)  # so that the clean-up below runs
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
     work = Path(tempfile.mkdtemp(prefix="colifs-dual-"))
     rig = None
     try:
         rig = Rig(work, image_gb=args.model_gb * 1.25 + 0.3)
         devs = rig.devnames()
         print(f"writing a {args.model_gb:g} GB checkpoint to both drives ...", file=sys.stderr)
-        layers = max(1, round(args.model_gb * 1e9 / (64 * 3 * 1024 * 1024)))
-        write_checkpoint(
-            str(rig.dirs[0]), "deepseek", layers=layers, experts=64, hidden=1024, inter=1024, shards=8
-        )
+        # An expert is 3 projections of hidden × inter uint8 (plus tiny scales); hidden 2048.
+        inter = max(32, round(args.expert_mb * 1e6 / 3 / 2048 / 32) * 32)
+        experts = 32
+        layers = max(1, round(args.model_gb * 1e9 / (experts * 3 * 2048 * inter)))
+        write_checkpoint(str(rig.dirs[0]), "deepseek", layers, experts, hidden=2048, inter=inter, shards=8)
         shutil.copytree(rig.dirs[0], rig.dirs[1])
-        sh("sync")
+        settle()
         mnt = work / "mnt"
         mnt.mkdir()
         f, s = args.fast, args.slow
@@ -157,10 +197,25 @@ def main() -> int:
             phase("e", "colifs, probed weights", [mnt])
             phase("e_mmap", "colifs, probed, mmap readers", [mnt], "--mmap")
             phase("e_buf", "colifs, probed, buffered readers", [mnt], "--buffered")
+            phase("e_1", "colifs, probed, 1 O_DIRECT reader", [mnt], "--threads", "1")
         with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}"):
             phase("f", f"colifs, --weights {f:g},{s:g}", [mnt])
         with colifs_mount([a, b], mnt, "--weights", "1,1"):
             phase("g", "colifs, --weights 1,1 (wrong)", [mnt])
+        phase("a_again", "primary directly, again (rig check)", [a])
+        sweep = [int(x) for x in args.sweep_readahead.split(",") if x]
+        for kb in sweep:
+            with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", "--readahead-kb", str(kb)):
+                for mode in ("mmap", "buffered"):
+                    for threads in (args.threads, 1):
+                        phase(
+                            f"ra{kb}_{mode}_{threads}",
+                            f"readahead {kb} KiB, {mode}, {threads} reader(s)",
+                            [mnt],
+                            f"--{mode}",
+                            "--threads",
+                            str(threads),
+                        )
         rig.throttle(args.symmetric, args.symmetric)
         phase("a2", f"one drive directly, both at {args.symmetric:g}", [a])
         with colifs_mount([a, b], mnt) as st2:
@@ -170,7 +225,8 @@ def main() -> int:
         print()
         print(
             f"drives: fast {f:g} MB/s, slow {s:g} MB/s (blkio throttle on loop-backed ext4); "
-            f"{args.threads} readers, {args.seconds:g} s per phase, cold caches"
+            f"{args.threads} readers, {args.seconds:g} s per phase, cold caches, "
+            f"experts of {res['a']['expert_mb']:.1f} MB"
         )
         head = f"{'phase':<44} {'GB/s':>7} {'experts/s':>10} {'p50 ms':>7} {'p99 ms':>7}"
         print(f"{head} {'in flight fast/slow':>20}")
@@ -201,6 +257,22 @@ def main() -> int:
         ]
         for name, what, value, target in ratios:
             print(f"{name:<9} {what:<40} {value:6.3f}   {('target ' + target) if target else ''}")
+        if sweep:
+            print()
+            print(
+                f"readahead sweep, colifs --weights {f:g},{s:g}: GB/s (ratio to O_DIRECT readers, same count)"
+            )
+            print(
+                f"{'read_ahead_kb':>13} {'mmap x' + str(args.threads):>16} {'mmap x1':>16} "
+                f"{'buffered x' + str(args.threads):>16} {'buffered x1':>16}"
+            )
+            for kb in sweep:
+                cells = []
+                for mode in ("mmap", "buffered"):
+                    for threads, ref in ((args.threads, g["e"]), (1, g["e_1"])):
+                        v = g[f"ra{kb}_{mode}_{threads}"]
+                        cells.append(f"{v:.3f} ({v / ref:.2f})")
+                print(f"{kb:>13} " + " ".join(f"{c:>16}" for c in cells))
         if args.json:
             Path(args.json).write_text(
                 json.dumps({"args": vars(args), "probed": probed, "phases": res}, indent=1)

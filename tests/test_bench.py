@@ -1,0 +1,78 @@
+"""colifs bench: expert discovery, expert choice, and the command on real directories and a mount."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from colifs.bench import _Chooser, find_experts
+from colifs.layout import ExpertKey
+from colifs.synth import write_checkpoint
+from tests.conftest import mounted, run_colifs
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    root = tmp_path / "p"
+    write_checkpoint(str(root), "deepseek", layers=2, experts=8, hidden=64, inter=64, shards=3)
+    return root
+
+
+def test_find_experts_groups_every_tensor_of_an_expert(ckpt: Path) -> None:
+    experts = {e.key: e for e in find_experts(str(ckpt))}
+    # 2 main layers + 1 MTP layer, 8 experts each
+    assert len(experts) == 3 * 8
+    assert ExpertKey("mtp.layers", 0, 7) in experts
+    e = experts[ExpertKey("model.layers", 1, 3)]
+    assert len(e.ranges) == 6  # gate/up/down weights + their scales
+    assert e.nbytes == 3 * 64 * 64 + 3 * 4
+
+
+def test_uniform_choice_reads_every_expert_once_before_any_twice() -> None:
+    choose = _Chooser(50, 0.0, seed=1)
+    rng = random.Random(0)
+    first = [choose(rng) for _ in range(50)]
+    assert sorted(first) == list(range(50))
+    assert choose.passes == 0
+    choose(rng)
+    assert choose.passes == 1
+
+
+def test_zipf_choice_is_skewed() -> None:
+    choose = _Chooser(100, 1.2, seed=1)
+    rng = random.Random(0)
+    counts = Counter(choose(rng) for _ in range(20000))
+    top = counts.most_common(10)
+    assert sum(n for _, n in top) > 0.5 * 20000
+
+
+def test_bench_command_on_directories_and_on_a_mount(ckpt: Path, tmp_path: Path) -> None:
+    out = run_colifs("bench", str(ckpt), "--seconds", "0.5", "--threads", "2", "--json", "--warm")
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    assert r["experts"] > 0 and r["bytes"] > 0 and r["experts_total"] == 24
+    mirror = tmp_path / "m"
+    shutil.copytree(ckpt, mirror)
+    for mode in ("--odirect", "--buffered", "--mmap"):
+        out = run_colifs(
+            "bench", str(ckpt), str(mirror), "--weights", "3,1", "--seconds", "0.3", mode, "--warm"
+        )
+        assert out.returncode == 0, out.stderr
+        assert "GB/s" in out.stdout and "experts/s" in out.stdout
+    with mounted(ckpt, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        out = run_colifs("bench", str(m.path), "--seconds", "0.5", "--json", "--warm")
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["bytes"] > 0
+        assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
+
+
+def test_bench_refuses_a_directory_without_experts(tmp_path: Path) -> None:
+    out = run_colifs("bench", str(tmp_path), "--seconds", "0.1")
+    assert out.returncode == 2 and "no routed MoE expert tensors" in out.stderr
+    out = run_colifs("bench", str(tmp_path / "nope"))
+    assert out.returncode == 2 and "is not a directory" in out.stderr
