@@ -2,6 +2,9 @@
 # FUSE 3 (runtime + headers, pyfuse3 compiles against them) and a venv in .venv.
 VENV ?= .venv
 STAMP := $(VENV)/.installed
+# Real GGUF files nobody here wrote: llama.cpp's vocabulary models, from the llama-cpp-python sdist.
+LLAMA_CPP_PYTHON := 0.3.36
+VOCAB := .cache/gguf-vocab
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: demo test lint sysdeps clean
@@ -9,10 +12,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 demo: $(STAMP)
 	$(VENV)/bin/python contrib/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(VOCAB)/.done
 	$(VENV)/bin/ruff check colifs tests contrib
 	$(VENV)/bin/ruff format --check colifs tests contrib
-	$(VENV)/bin/pytest
+	COLIFS_GGUF_VOCAB_DIR=$(VOCAB) $(VENV)/bin/pytest
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check colifs tests contrib
@@ -31,5 +34,13 @@ $(STAMP): pyproject.toml | sysdeps
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 
+$(VOCAB)/.done: | $(STAMP)
+	rm -rf .cache/sdist $(VOCAB) && mkdir -p .cache/sdist $(VOCAB)
+	$(VENV)/bin/pip download -q --no-deps --no-binary :all: -d .cache/sdist llama-cpp-python==$(LLAMA_CPP_PYTHON)
+	tar xzf .cache/sdist/llama_cpp_python-$(LLAMA_CPP_PYTHON).tar.gz -C $(VOCAB) --strip-components=4 \
+		--wildcards 'llama_cpp_python-$(LLAMA_CPP_PYTHON)/vendor/llama.cpp/models/ggml-vocab-*.gguf'
+	rm -rf .cache/sdist
+	touch $@
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .cache *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from colifs.buffers import align_down, align_up
-from colifs.layout import ExpertKey, LayoutError, parse_header
-from colifs.replicas import read_header
+from colifs.formats import format_of
+from colifs.layout import ExpertKey, LayoutError
 from colifs.routing import pick, positions
 
 
@@ -37,14 +37,14 @@ class Expert:
 
 
 def find_experts(root: str) -> list[Expert]:
-    """Every routed expert of the safetensors files under `root`, with its byte ranges."""
+    """Every routed expert of the model files (safetensors, GGUF) under `root`, with its byte ranges."""
     experts: dict[ExpertKey, Expert] = {}
-    for path in sorted(Path(root).rglob("*.safetensors")):
-        if not path.is_file():
+    for path in sorted(Path(root).rglob("*")):
+        fmt = format_of(path.name)
+        if fmt is None or not path.is_file():
             continue
         try:
-            size, header = read_header(str(path))
-            lay = parse_header(header, size)
+            _, _, lay = fmt.read(str(path))
         except (OSError, LayoutError):
             continue
         rel = str(path.relative_to(root))
@@ -170,7 +170,7 @@ def run(
     """Run the workload and return its figures (see `report`)."""
     experts = find_experts(roots[0])
     if not experts:
-        raise ValueError(f"{roots[0]}: no routed MoE expert tensors found in its *.safetensors files")
+        raise ValueError(f"{roots[0]}: no routed MoE expert tensors found in its model files")
     route = [0] * len(experts)
     if len(roots) > 1:
         where = positions(e.key for e in experts)

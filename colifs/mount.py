@@ -18,6 +18,7 @@ import trio
 
 from colifs.backing import BackingIO, OsIO
 from colifs.errors import MountError, QuietError
+from colifs.formats import format_of
 from colifs.fs import STATS_INO, ColiFS
 from colifs.kernel import Knobs, tune
 from colifs.probe import ProbeResult, probe, table, weights_from
@@ -116,11 +117,12 @@ def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
 
 
 def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
-    """Every regular file of the tree, safetensors ones validated and given routing positions."""
+    """Every regular file of the tree; model files (safetensors, GGUF) validated and routed."""
     files: dict[int, ServedFile] = {}
     for node in tree.files():
-        if node.relpath.endswith(".safetensors"):
-            files[node.ino] = validate(os.path.join(tree.root, node.relpath), node.relpath, replicas)
+        fmt = format_of(node.relpath)
+        if fmt is not None:
+            files[node.ino] = validate(os.path.join(tree.root, node.relpath), node.relpath, replicas, fmt)
         else:
             files[node.ino] = ServedFile(node.relpath, node.st.st_size)
     where = positions(k for f in files.values() if f.layout for k in f.layout.keys)

@@ -1,8 +1,8 @@
 """Replicas and the per-file decision of which of them may serve it (mount-time validation).
 
-A mirror copy of a safetensors file is used only if it has the same size and a byte-identical
-header (8-byte length + JSON): then its tensor bytes sit at the same offsets. Only the header is
-read, never tensor data.
+A mirror copy of a model file (safetensors, GGUF) is used only if it has the same size and a
+byte-identical header (safetensors: the 8-byte length + JSON; GGUF: everything up to the aligned
+data start): then its tensor bytes sit at the same offsets. Only headers are read, never data.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import os
 import stat
 from dataclasses import dataclass, field
 
-from colifs.layout import Layout, LayoutError, header_length, parse_header
+from colifs.formats import Format, format_of
+from colifs.layout import Layout, LayoutError
 
 log = logging.getLogger("colifs")
 
@@ -46,22 +47,7 @@ class ServedFile:
 
     @property
     def is_model(self) -> bool:
-        return self.relpath.endswith(".safetensors")
-
-
-def read_header(path: str) -> tuple[int, bytes]:
-    """(file size, the first 8+N bytes) of a safetensors file. Reads the header only."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        size = os.fstat(fd).st_size
-        first8 = os.pread(fd, 8, 0)
-        n = header_length(first8, size)
-        body = os.pread(fd, n, 8)
-        if len(body) != n:
-            raise LayoutError(f"header cut short: {len(body)} of {n} bytes read")
-        return size, first8 + body
-    finally:
-        os.close(fd)
+        return format_of(self.relpath) is not None
 
 
 def mirror_problem(mirror_path: str, size: int, header: bytes) -> str | None:
@@ -87,11 +73,10 @@ def mirror_problem(mirror_path: str, size: int, header: bytes) -> str | None:
     return None if theirs == header else "header differs"
 
 
-def validate(path: str, relpath: str, replicas: list[Replica]) -> ServedFile:
+def validate(path: str, relpath: str, replicas: list[Replica], fmt: Format) -> ServedFile:
     """Parse the primary copy's header and check every mirror; one warning per problem."""
     try:
-        size, header = read_header(path)
-        layout = parse_header(header, size)
+        size, header, layout = fmt.read(path)
     except (LayoutError, OSError) as e:
         reason = e.strerror if isinstance(e, OSError) else str(e)
         note = f"malformed header: {reason}; served from the primary as plain bytes"

@@ -174,6 +174,67 @@ def write_checkpoint(
     return paths
 
 
+# GGUF: llama.cpp's tensor names. Experts are fused per layer, numpy shape [n_expert, rows, cols]
+# (GGUF ne = [cols, rows, n_expert]: the expert is the slowest-varying dimension).
+GGUF_ARCHS: dict[str, list[str]] = {
+    "qwen3moe": ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps"],
+    "deepseek2": ["ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_shexp", "exp_probs_b"],
+    "gpt-oss": ["ffn_gate_up_exps", "ffn_down_exps"],
+    "ernie4_5-moe": ["ffn_gate_exps", "ffn_up_exps", "ffn_down_chexps"],
+}
+
+
+def write_gguf(
+    path: str,
+    arch: str = "qwen3moe",
+    layers: int = 2,
+    experts: int = 8,
+    hidden: int = 64,
+    inter: int = 64,
+    qtype: str = "F16",
+    alignment: int | None = None,
+    seed: int = 0,
+) -> None:
+    """A GGUF MoE model written with llama.cpp's own `gguf` writer; F16, F32 or Q8_0 experts."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(layers)
+    w.add_expert_count(experts)
+    if alignment is not None:
+        w.add_custom_alignment(alignment)
+
+    def add(name: str, shape: tuple[int, ...], kind: str = "F32") -> None:
+        data = rng.standard_normal(shape).astype(np.float32)
+        if kind == "Q8_0":
+            q = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data.astype(np.float16) if kind == "F16" else data)
+
+    add("token_embd.weight", (32, hidden), "F16")
+    for L in range(layers):
+        add(f"blk.{L}.attn_norm.weight", (hidden,))
+        add(f"blk.{L}.attn_q.weight", (hidden, hidden), "F16")
+        add(f"blk.{L}.ffn_gate_inp.weight", (experts, hidden))
+        for t in GGUF_ARCHS[arch]:
+            if t == "exp_probs_b":
+                add(f"blk.{L}.exp_probs_b.bias", (experts,))
+            elif t.endswith("shexp"):
+                add(f"blk.{L}.{t}.weight", (inter, hidden), "F16")
+            elif t.startswith("ffn_down"):
+                add(f"blk.{L}.{t}.weight", (experts, hidden, inter), qtype)
+            else:
+                rows = 2 * inter if "gate_up" in t else inter
+                add(f"blk.{L}.{t}.weight", (experts, rows, hidden), qtype)
+    add("output.weight", (32, hidden), "F16")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m colifs.synth", description=__doc__.split("\n\n")[0])
     p.add_argument("out")

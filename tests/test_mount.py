@@ -20,8 +20,8 @@ import pytest
 from safetensors import safe_open
 
 from colifs.buffers import BLOCK
-from colifs.layout import ExpertKey, parse_header
-from colifs.replicas import read_header
+from colifs.formats import format_of
+from colifs.layout import ExpertKey
 from colifs.synth import FAMILIES, write_checkpoint
 from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
 
@@ -91,11 +91,13 @@ def test_safe_open_through_the_mount_gives_the_same_arrays(tmp_path: Path, famil
 
 
 def expert_ranges(root: Path) -> dict[tuple[str, ExpertKey], list[tuple[int, int]]]:
-    """(file, key) → byte ranges of that expert in that file, from the headers."""
+    """(file, key) → byte ranges of that expert in that file, from the headers (any model format)."""
     out: dict[tuple[str, ExpertKey], list[tuple[int, int]]] = {}
-    for p in shards(root):
-        size, header = read_header(str(p))
-        lay = parse_header(header, size)
+    for p in sorted(root.iterdir()):
+        fmt = format_of(p.name)
+        if fmt is None:
+            continue
+        _, _, lay = fmt.read(str(p))
         ends = [*lay.starts[1:], lay.size]
         for start, end, key in zip(lay.starts, ends, lay.keys, strict=True):
             if isinstance(key, ExpertKey):
@@ -480,3 +482,68 @@ def test_kernel_knobs_are_set_and_reported(model) -> None:
     with mounted(primary, [mirror], mnt, "--no-probe", "--readahead-kb", "0", "--max-background", "0") as m:
         kernel = m.stats()["kernel"]
         assert kernel["read_ahead_kb"] not in (None, 1024, 4096) and kernel["max_background"] == 12
+
+
+# -- GGUF ----------------------------------------------------------------------------------------
+
+
+def test_gguf_models_through_the_mount(tmp_path: Path) -> None:
+    import gguf
+
+    from colifs.synth import write_gguf
+
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    primary.mkdir()
+    write_gguf(
+        str(primary / "qwen3-moe-Q8_0.gguf"),
+        "qwen3moe",
+        layers=2,
+        experts=16,
+        hidden=256,
+        inter=128,
+        qtype="Q8_0",
+    )
+    write_gguf(
+        str(primary / "ds-F16.gguf"), "deepseek2", layers=2, experts=16, hidden=128, inter=128, qtype="F16"
+    )
+    shutil.copytree(primary, mirror)
+    ranges = expert_ranges(primary)
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        for p in sorted(primary.glob("*.gguf")):
+            via = m.path / p.name
+            a, b = gguf.GGUFReader(str(p)), gguf.GGUFReader(str(via))
+            assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+            for x, y in zip(a.tensors, b.tensors, strict=True):
+                assert x.tensor_type == y.tensor_type and bytes(x.data) == bytes(y.data), x.name
+            want = p.read_bytes()
+            with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                assert mm[:] == want
+        where = drive_of_each_expert(m, ranges)  # each expert slice of the fused tensors: one drive
+        assert set(where.values()) == {0, 1}
+        assert {k for _, k in where} >= {ExpertKey("blk", 1, e) for e in range(16)}
+        assert m.stats()["files"]["ds-F16.gguf"]["replicas"] == [str(primary), str(mirror)]
+
+
+def test_bad_and_divergent_gguf_files(tmp_path: Path) -> None:
+    from colifs.synth import write_gguf
+
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    primary.mkdir()
+    write_gguf(str(primary / "good.gguf"), "qwen3moe", layers=1, experts=8, qtype="F16")
+    good = (primary / "good.gguf").read_bytes()
+    (primary / "cut.gguf").write_bytes(good[:100])  # header cut short
+    (primary / "zero.gguf").write_bytes(b"")
+    shutil.copytree(primary, mirror)
+    blob = bytearray(good)  # same size, a byte of the metadata changed
+    i = blob.index(b"qwen3moe")
+    blob[i] = ord("Q")
+    (mirror / "good.gguf").write_bytes(blob)
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        lines = m.stderr.splitlines()
+        assert any("cut.gguf" in x and "malformed header" in x and "does not fit" in x for x in lines)
+        assert any("zero.gguf" in x and "malformed header" in x and "bad magic" in x for x in lines)
+        assert any("good.gguf" in x and "header differs" in x for x in lines)
+        for name in ("cut.gguf", "zero.gguf", "good.gguf"):
+            assert (m.path / name).read_bytes() == (primary / name).read_bytes()
+            assert m.stats()["files"][name]["replicas"] == [str(primary)]
+        assert m.stats()["replicas"][1]["bytes_served"] == 0

@@ -1,0 +1,70 @@
+"""Model file formats colifs routes by: how to read a file's header into a Layout.
+
+Each format reads only the header (never tensor data) and returns the file size, the header bytes
+a mirror copy must match byte for byte, and the Layout. Files of other kinds are served as plain
+bytes from the primary.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from colifs.gguf import read_gguf_header
+from colifs.layout import Layout, LayoutError, header_length, parse_header
+
+Header = tuple[int, bytes, Layout]  # file size, header bytes, layout
+
+
+def _pread_all(fd: int, n: int, off: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = os.pread(fd, n - len(out), off + len(out))
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def read_safetensors(fd: int, size: int) -> tuple[bytes, Layout]:
+    """The 8-byte length + JSON, and its layout."""
+    n = header_length(_pread_all(fd, 8, 0), size)
+    header = _pread_all(fd, 8 + n, 0)
+    if len(header) != 8 + n:
+        raise LayoutError(f"header cut short: {len(header) - 8} of {n} bytes read")
+    return header, parse_header(header, size)
+
+
+def read_gguf(fd: int, size: int) -> tuple[bytes, Layout]:
+    """Everything up to the aligned start of the data section, and its layout."""
+    layout, header = read_gguf_header(lambda off, n: _pread_all(fd, n, off), size)
+    return header, layout
+
+
+@dataclass(frozen=True)
+class Format:
+    name: str
+    suffix: str
+    reader: Callable[[int, int], tuple[bytes, Layout]]
+
+    def read(self, path: str) -> Header:
+        """(size, header bytes, layout) of the file at `path`; LayoutError or OSError if bad."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            header, layout = self.reader(fd, size)
+            return size, header, layout
+        finally:
+            os.close(fd)
+
+
+FORMATS = (Format("safetensors", ".safetensors", read_safetensors), Format("gguf", ".gguf", read_gguf))
+
+
+def format_of(relpath: str) -> Format | None:
+    """The format a file is routed by, from its name; None for plain files."""
+    for fmt in FORMATS:
+        if relpath.endswith(fmt.suffix):
+            return fmt
+    return None
