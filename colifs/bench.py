@@ -10,6 +10,7 @@ parallel, with the ideal split (the physical limit colifs is measured against).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import mmap
 import os
 import random
@@ -115,17 +116,25 @@ class _Reader:
         self.roots = roots
         self.mode = mode
         self.fds: dict[str, int] = {}
-        self.maps: dict[str, mmap.mmap] = {}
+        self.maps: dict[str, tuple[mmap.mmap, ctypes.c_char]] = {}
         self.buf = mmap.mmap(-1, align_up(max_range) + 8192)
+        self.buf_at = ctypes.c_char.from_buffer(self.buf)
 
     def read(self, root: str, rel: str, start: int, end: int) -> int:
         path = os.path.join(root, rel)
         if self.mode == "mmap":
-            mm = self.maps.get(path)
-            if mm is None:
+            if path not in self.maps:
                 with open(path, "rb") as f:
-                    mm = self.maps[path] = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
-            self.buf[: end - start] = mm[start:end]  # page faults, like an engine touching weights
+                    # Private and writable only so that ctypes can take its address; nothing is
+                    # written, so its pages are the page cache's, faulted in like any mapping.
+                    mm = mmap.mmap(
+                        f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                    )
+                self.maps[path] = (mm, ctypes.c_char.from_buffer(mm))
+            at = ctypes.addressof(self.maps[path][1])
+            # ctypes.memmove releases the GIL, so the readers fault in parallel like an engine's
+            # native threads (a Python slice copy would hold the GIL through every page fault).
+            ctypes.memmove(ctypes.addressof(self.buf_at), at + start, end - start)
             return end - start
         fd = self.fds.get(path)
         if fd is None:
@@ -140,8 +149,7 @@ class _Reader:
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
-        for mm in self.maps.values():
-            mm.close()
+        self.maps.clear()  # each map is unmapped once its ctypes anchor (the export) is gone
 
 
 def _sample_inflight(devices: Sequence[str], stop: threading.Event, out: dict[str, list[int]]) -> None:

@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="FUSE requests in flight for readahead (root only; default: 64, 0 = the kernel's 12)",
+        help="FUSE background requests in flight (readahead, O_DIRECT; root only; default: 256, "
+        "0 = the kernel's 12)",
     )
     m.add_argument(
         "--backing-io",

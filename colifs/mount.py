@@ -33,7 +33,11 @@ log = logging.getLogger("colifs")
 
 # Chosen by the benchmark in docs/benchmarks.md (buffered and mmap readers, one and many).
 DEFAULT_READ_AHEAD_KB = 512
-DEFAULT_MAX_BACKGROUND = 64
+DEFAULT_MAX_BACKGROUND = 256
+# Requests the daemon takes off /dev/fuse at once. A request waiting for its drive holds one (a
+# coroutine, cheap); with too few, one slow drive's backlog would hold them all and starve the
+# other drives (head-of-line blocking). The per-drive thread count bounds the real I/O.
+MAX_TASKS = 1024
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -202,7 +206,7 @@ async def _main(mnt: str, knobs: Knobs, stats: Stats, on_ready: Callable[[], Non
     async with trio.open_nursery() as nursery:
 
         async def fuse_loop() -> None:
-            await pyfuse3.main(max_tasks=64)
+            await pyfuse3.main(max_tasks=MAX_TASKS)
             nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
 
         def stop(sig: int) -> None:

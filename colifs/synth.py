@@ -194,12 +194,16 @@ def write_gguf(
     qtype: str = "F16",
     alignment: int | None = None,
     seed: int = 0,
+    split_max_tensors: int = 0,
 ) -> None:
-    """A GGUF MoE model written with llama.cpp's own `gguf` writer; F16, F32 or Q8_0 experts."""
+    """A GGUF MoE model written with llama.cpp's own `gguf` writer; F16, F32 or Q8_0 experts.
+
+    With `split_max_tensors`, a split model (`NAME-0000k-of-0000n.gguf`, each with split.* keys).
+    """
     import gguf
 
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(layers)
     w.add_expert_count(experts)
     if alignment is not None:

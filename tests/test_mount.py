@@ -547,3 +547,23 @@ def test_bad_and_divergent_gguf_files(tmp_path: Path) -> None:
             assert (m.path / name).read_bytes() == (primary / name).read_bytes()
             assert m.stats()["files"][name]["replicas"] == [str(primary)]
         assert m.stats()["replicas"][1]["bytes_served"] == 0
+
+
+def test_split_gguf_files_are_each_parsed_and_routed(tmp_path: Path) -> None:
+    import gguf
+
+    from colifs.synth import write_gguf
+
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    primary.mkdir()
+    write_gguf(str(primary / "model.gguf"), "qwen3moe", layers=4, experts=8, qtype="F16", split_max_tensors=7)
+    parts = sorted(primary.glob("*.gguf"))
+    assert len(parts) >= 3 and all("-of-" in p.name for p in parts)
+    shutil.copytree(primary, mirror)
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        st = m.stats()
+        for p in parts:
+            assert st["files"][p.name]["replicas"] == [str(primary), str(mirror)]
+            a, b = gguf.GGUFReader(str(p)), gguf.GGUFReader(str(m.path / p.name))
+            assert all(bytes(x.data) == bytes(y.data) for x, y in zip(a.tensors, b.tensors, strict=True))
+        assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])

@@ -134,7 +134,11 @@ def main() -> int:
     p.add_argument("--symmetric", type=float, default=100, help="MB/s of each drive in h) (default 100)")
     p.add_argument("--threads", type=int, default=16, help="bench reader threads (default 16)")
     p.add_argument("--seconds", type=float, default=10, help="seconds per phase (default 10)")
-    p.add_argument("--model-gb", type=float, default=2.0, help="checkpoint size (default 2)")
+    p.add_argument(
+        "--model-gb",
+        type=float,
+        help="checkpoint size (default: 1.5 x what the fastest phase reads, so no expert is read twice)",
+    )
     p.add_argument(
         "--expert-mb",
         type=float,
@@ -149,6 +153,8 @@ def main() -> int:
         help="readahead values for the mmap/buffered sweep (default 128,512,1024,2048,4096; '' skips it)",
     )
     args = p.parse_args()
+    if args.model_gb is None:
+        args.model_gb = max(1.0, 1.5 * args.seconds * max(args.fast + args.slow, 2 * args.symmetric) / 1000)
     if os.geteuid() != 0:
         print("dual-drive: needs root (loop devices, mounts, blkio cgroup)", file=sys.stderr)
         return 2
@@ -230,6 +236,7 @@ def main() -> int:
         )
         head = f"{'phase':<44} {'GB/s':>7} {'experts/s':>10} {'p50 ms':>7} {'p99 ms':>7}"
         print(f"{head} {'in flight fast/slow':>20}")
+        wrapped = [k for k, r in res.items() if r["passes"]]
         for key, r in res.items():
             infl = r["inflight"]
             fl = "/".join("-" if infl.get(d) is None else f"{infl[d]:.1f}" for d in devs)
@@ -237,6 +244,11 @@ def main() -> int:
             print(
                 f"{key + ') ' + labels[key]:<44} {r['gb_per_s']:>7.3f} {r['experts_per_s']:>10.1f}"
                 f" {lat['p50']:>7.1f} {lat['p99']:>7.1f} {fl:>20}"
+            )
+        if wrapped:
+            print(
+                f"INVALID: {', '.join(wrapped)} read every expert and began again (cache hits): "
+                "raise --model-gb"
             )
         g = {k: v["gb_per_s"] for k, v in res.items()}
         ratio = probed[0] / probed[1]
