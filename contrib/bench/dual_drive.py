@@ -206,6 +206,10 @@ def main() -> int:
             phase("e_1", "colifs, probed, 1 O_DIRECT reader", [mnt], "--threads", "1")
         with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}"):
             phase("f", f"colifs, --weights {f:g},{s:g}", [mnt])
+            phase("f_buf", f"colifs, --weights {f:g},{s:g}, buffered readers", [mnt], "--buffered")
+        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", "--backing-io", "buffered"):
+            phase("fb", "colifs, same, --backing-io buffered", [mnt])
+            phase("fb_buf", "colifs, same, --backing-io buffered, buffered readers", [mnt], "--buffered")
         with colifs_mount([a, b], mnt, "--weights", "1,1"):
             phase("g", "colifs, --weights 1,1 (wrong)", [mnt])
         phase("a_again", "primary directly, again (rig check)", [a])
@@ -263,6 +267,8 @@ def main() -> int:
             ("e/a", "colifs pair vs the fast drive alone", g["e"] / g["a"], ""),
             ("d/a", "FUSE cost at drive speed", g["d"] / g["a"], ">= 0.95"),
             ("g/f", "wrong weights 1,1 vs right", g["g"] / g["f"], ""),
+            ("fb/f", "buffered backing vs O_DIRECT backing", g["fb"] / g["f"], ""),
+            ("fb_buf/f_buf", "the same, buffered readers", g["fb_buf"] / g["f_buf"], ""),
             ("h/a2", "symmetric pair vs one drive", g["h"] / g["a2"], ">= 1.9"),
             ("e_mmap/e", "mmap readers vs O_DIRECT readers", g["e_mmap"] / g["e"], ">= 0.90"),
             ("e_buf/e", "buffered readers vs O_DIRECT readers", g["e_buf"] / g["e"], ">= 0.90"),
