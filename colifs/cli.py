@@ -73,6 +73,13 @@ def _parser() -> argparse.ArgumentParser:
         "0 = the kernel's 12)",
     )
     m.add_argument(
+        "--routing",
+        choices=["expert", "stripe"],
+        default="expert",
+        help="expert: each expert (routing key) from one drive (default); stripe: keys of 2 MiB or "
+        "more cut in 1 MiB chunks spread over the drives in the weights' ratio (one reader, both drives)",
+    )
+    m.add_argument(
         "--backing-io",
         choices=["direct", "buffered"],
         default="direct",
@@ -201,6 +208,7 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         probe_seconds=0.0 if args.no_probe else args.probe_seconds,
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
+        routing=args.routing,
         knobs=knobs,
         allow_other=args.allow_other,
     )

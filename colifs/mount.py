@@ -10,6 +10,7 @@ import os
 import signal
 import stat
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -21,10 +22,11 @@ from colifs.errors import MountError, QuietError
 from colifs.formats import format_of
 from colifs.fs import STATS_INO, ColiFS
 from colifs.kernel import Knobs, tune
+from colifs.layout import Key
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
-from colifs.routing import positions
+from colifs.routing import CHUNK, positions, stripe_rotation
 from colifs.stats import KeepWarnings, Stats
 from colifs.tree import Tree
 from colifs.workers import DriveWorkers
@@ -51,6 +53,7 @@ class MountConfig:
     probe_seconds: float = 2.0
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
+    routing: str = "expert"  # or "stripe"
     knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
     allow_other: bool = False
     fuse_options: list[str] = field(default_factory=list)
@@ -130,9 +133,17 @@ def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
         else:
             files[node.ino] = ServedFile(node.relpath, node.st.st_size)
     where = positions(k for f in files.values() if f.layout for k in f.layout.keys)
+    key_bytes: dict[Key, int] = defaultdict(int)
+    for f in files.values():
+        if f.layout is not None:
+            ends = [*f.layout.starts[1:], f.layout.size]
+            for k, s, e in zip(f.layout.keys, f.layout.starts, ends, strict=True):
+                key_bytes[k] += e - s
     for f in files.values():
         if f.layout is not None:
             f.positions = tuple(where[k] for k in f.layout.keys)
+            # Keys smaller than two chunks stay whole on one drive, in both routing modes.
+            f.stripes = tuple(stripe_rotation(k) if key_bytes[k] >= 2 * CHUNK else -1 for k in f.layout.keys)
     return files
 
 
@@ -176,7 +187,10 @@ def serve(
     log.info("%s", describe(replicas, cfg.weights_source, files))
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
     workers = [DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive) for r in replicas]
-    reader = Reader(replicas, workers, io or OsIO(direct=cfg.backing_io == "direct"), stats)
+    reader = Reader(
+        replicas, workers, io or OsIO(direct=cfg.backing_io == "direct"), stats, routing=cfg.routing
+    )
+    stats.routing = cfg.routing
     ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
     options = set(pyfuse3.default_options) | {"ro", "fsname=colifs", "subtype=colifs", "noatime"}
     if cfg.allow_other:

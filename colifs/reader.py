@@ -19,7 +19,7 @@ from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.layout import HEADER, ExpertKey
 from colifs.logs import WarnOnce
 from colifs.replicas import Replica, ServedFile
-from colifs.routing import pick
+from colifs.routing import CHUNK, pick, stripe_sequence
 from colifs.stats import Stats
 from colifs.workers import DriveWorkers, gather
 
@@ -46,8 +46,11 @@ class Reader:
         io: BackingIO,
         stats: Stats,
         pool: BufferPool | None = None,
+        routing: str = "expert",
     ) -> None:
         self.pool = pool or BufferPool()
+        self.striping = routing == "stripe"
+        self._sequences: dict[tuple[float, ...], tuple[int, ...]] = {}
         self.replicas = list(replicas)
         self.workers = list(workers)
         self.io = io
@@ -93,25 +96,49 @@ class Reader:
     # -- reads -------------------------------------------------------------------------------
 
     def plan(self, of: OpenFile, off: int, end: int) -> list[tuple[int, int, int]]:
-        """[off, end) as (start, end, drive) runs: pieces routed by key, same-drive neighbours merged."""
+        """[off, end) as (start, end, drive) runs: pieces routed by key, same-drive neighbours merged.
+
+        Expert routing: a key's bytes all go to one drive. Stripe routing: a key of two chunks or
+        more is cut at absolute CHUNK boundaries, chunk c going to seq[(c + rotation) % len(seq)].
+        """
         f = of.file
         if f.layout is None or len(f.replicas) == 1:
             return [(off, end, 0)]
         runs: list[tuple[int, int, int]] = []
-        layout, positions = f.layout, f.positions
-        for start, stop, extent in layout.pieces(off, end):
-            if extent == HEADER:
-                drive = 0
-            else:
-                drive = pick(positions[extent], of.weights)
-                key = layout.keys[extent]
-                if isinstance(key, ExpertKey):
-                    self.stats.routed(f"{key.stack}.{key.layer}", drive, stop - start)
+
+        def add(start: int, stop: int, drive: int, layer: str | None) -> None:
+            if layer is not None:
+                self.stats.routed(layer, drive, stop - start)
             if runs and runs[-1][2] == drive:
                 runs[-1] = (runs[-1][0], stop, drive)
             else:
                 runs.append((start, stop, drive))
+
+        layout = f.layout
+        for start, stop, extent in layout.pieces(off, end):
+            if extent == HEADER:
+                add(start, stop, 0, None)
+                continue
+            key = layout.keys[extent]
+            layer = f"{key.stack}.{key.layer}" if isinstance(key, ExpertKey) else None
+            rotation = f.stripes[extent] if self.striping else -1
+            if rotation < 0:
+                add(start, stop, pick(f.positions[extent], of.weights), layer)
+                continue
+            seq = self._sequence(of)
+            while start < stop:
+                chunk = start // CHUNK
+                piece_end = min(stop, (chunk + 1) * CHUNK)
+                add(start, piece_end, seq[(chunk + rotation) % len(seq)], layer)
+                start = piece_end
         return runs
+
+    def _sequence(self, of: OpenFile) -> tuple[int, ...]:
+        key = tuple(of.weights)
+        seq = self._sequences.get(key)
+        if seq is None:
+            seq = self._sequences[key] = stripe_sequence(of.weights)
+        return seq
 
     async def read(self, of: OpenFile, off: int, size: int) -> bytes | memoryview:
         """The primary's bytes [off, off+size), short only at the end of the file.

@@ -35,7 +35,8 @@ class Replica:
 class ServedFile:
     """A regular file of the mount: its layout (None = plain bytes) and the replicas that may serve it.
 
-    `positions` holds the routing position u of each layout extent (see routing.py).
+    `positions` holds the routing position u of each layout extent and `stripes` its key's stripe
+    rotation, or -1 where the key is too small to stripe (see routing.py).
     """
 
     relpath: str
@@ -44,6 +45,7 @@ class ServedFile:
     replicas: tuple[int, ...] = (0,)
     note: str = ""
     positions: tuple[float, ...] = field(default=())
+    stripes: tuple[int, ...] = field(default=())
 
     @property
     def is_model(self) -> bool:

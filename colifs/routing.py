@@ -78,3 +78,38 @@ def parse_weights(text: str, count: int) -> list[float]:
     if not all(v > 0 and v != float("inf") for v in values):
         raise ValueError(f"weights {text!r}: every weight must be a positive finite number")
     return values
+
+
+# -- striping: one key's bytes spread over the drives ---------------------------------------------
+
+CHUNK = 1 << 20  # stripe unit: FUSE's largest request, so an aligned request is never split
+STRIPE_SLOTS = 64  # length of the weighted round-robin sequence (weights resolved to 1/64)
+
+
+def stripe_sequence(weights: Sequence[float], slots: int = STRIPE_SLOTS) -> tuple[int, ...]:
+    """A weighted round-robin order of replicas: any window of consecutive chunks is spread in the
+    ratio of the weights (smooth weighted round-robin over integer shares).
+
+    Shares are the weights rounded to 1/slots by largest remainder; a replica of weight 0 (no
+    valid copy) gets none. The primary must have a positive weight.
+    """
+    total = sum(weights)
+    exact = [w / total * slots for w in weights]
+    shares = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: (exact[i] - shares[i], -i), reverse=True)
+    for i in by_remainder[: slots - sum(shares)]:
+        shares[i] += 1
+    current = [0] * len(weights)
+    out = []
+    for _ in range(slots):
+        for i, s in enumerate(shares):
+            current[i] += s
+        best = max(range(len(weights)), key=lambda i: (current[i], -i))
+        current[best] -= slots
+        out.append(best)
+    return tuple(out)
+
+
+def stripe_rotation(key: Key, slots: int = STRIPE_SLOTS) -> int:
+    """Where in the sequence a key's chunks start: keys read at the same time start apart."""
+    return digest(key) % slots

@@ -32,6 +32,7 @@ class Stats:
         self.warnings: deque[str] = deque(maxlen=50)
         self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
         self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
+        self.routing = "expert"
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -68,6 +69,7 @@ class Stats:
             "mountpoint": self.mountpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "weights_source": self.weights_source,
+            "routing": self.routing,
             "kernel": self.kernel,
             "probe": self.probe,
             "replicas": [

@@ -44,10 +44,14 @@ def read_direct(path: Path, off: int, size: int) -> bytes:
 # -- bytes ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backing", ["direct", "buffered"])
-def test_every_access_method_returns_the_primary_bytes(model, backing) -> None:
+@pytest.mark.parametrize(
+    ("backing", "routing"), [("direct", "expert"), ("buffered", "expert"), ("direct", "stripe")]
+)
+def test_every_access_method_returns_the_primary_bytes(model, backing, routing) -> None:
     primary, mirror, mnt = model
-    with mounted(primary, [mirror], mnt, "--weights", "1,1", "--backing-io", backing) as m:
+    with mounted(
+        primary, [mirror], mnt, "--weights", "1,1", "--backing-io", backing, "--routing", routing
+    ) as m:
         rng = random.Random(7)
         for p in sorted(primary.iterdir()):
             want = p.read_bytes()
@@ -567,3 +571,20 @@ def test_split_gguf_files_are_each_parsed_and_routed(tmp_path: Path) -> None:
             a, b = gguf.GGUFReader(str(p)), gguf.GGUFReader(str(m.path / p.name))
             assert all(bytes(x.data) == bytes(y.data) for x, y in zip(a.tensors, b.tensors, strict=True))
         assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
+
+
+def test_stripe_routing_reads_one_expert_from_both_drives(tmp_path: Path) -> None:
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "mixtral", layers=1, experts=8, hidden=1024, inter=1024, shards=1)
+    shutil.copytree(primary, mirror)
+    ranges = expert_ranges(primary)
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "3,1", "--routing", "stripe") as m:
+        assert m.stats()["routing"] == "stripe"
+        for (name, _), spans in sorted(ranges.items())[:4]:  # experts of 3 x 2 MiB (fp16 1024 x 1024)
+            before = [r["bytes_served"] for r in m.stats()["replicas"]]
+            for s, e in spans:
+                assert read_direct(m.path / name, s, e - s) == (primary / name).read_bytes()[s:e]
+            after = [r["bytes_served"] for r in m.stats()["replicas"]]
+            moved = [b - a for a, b in zip(before, after, strict=True)]
+            assert all(x > 0 for x in moved)  # one expert, both drives
+            assert moved[1] / sum(moved) == pytest.approx(0.25, abs=0.1)

@@ -6,6 +6,7 @@ import errno
 import logging
 import os
 import random
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import trio
 from colifs.fakeio import FaultyIO
 from colifs.fs import ColiFS
 from colifs.mount import build_files
-from colifs.reader import Reader
+from colifs.reader import OpenFile, Reader
 from colifs.replicas import Replica
 from colifs.stats import Stats
 from colifs.tree import Tree
@@ -147,3 +148,55 @@ def test_concurrent_opens_get_distinct_handles(model) -> None:
 
     run(ops, go)
     assert ops.reader._open == {}
+
+
+def test_stripe_plan_spreads_big_keys_by_chunk_and_keeps_small_keys_whole(tmp_path: Path) -> None:
+    from colifs.layout import ExpertKey
+    from colifs.routing import CHUNK
+    from colifs.synth import write_checkpoint
+
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    # experts of 3 projections x 1 MiB (striped) and shared experts of 128 KiB (kept whole)
+    write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
+    shutil.copytree(primary, mirror)
+    plans = []
+    for _ in range(2):
+        ops, _ = make_ops(primary, mirror, [3, 1])
+        ops.reader.striping = True
+        f = next(f for f in ops.files.values() if f.is_model)
+        of = OpenFile(f, [0, 1], [3.0, 1.0])
+        lay = f.layout
+        ends = [*lay.starts[1:], lay.size]
+        plans.append([ops.reader.plan(of, s, e) for s, e in zip(lay.starts, ends, strict=True)])
+        for k, s, e, runs, rot in zip(lay.keys, lay.starts, ends, plans[-1], f.stripes, strict=True):
+            if isinstance(k, ExpertKey) and e - s >= CHUNK and rot >= 0:
+                chunks = {(a // CHUNK, d) for a, b, d in runs}
+                assert len({d for _, d in chunks}) == 2 or e - s < 4 * CHUNK  # both drives over 4 chunks
+            if rot < 0:
+                assert len(runs) == 1  # small keys whole on one drive
+        for w in ops.reader.workers:
+            w.close()
+    assert plans[0] == plans[1]  # the same chunk goes to the same drive every time
+    # bytes of the experts split about 3:1
+    by_drive = [0, 0]
+    for runs, k in zip(plans[0], lay.keys, strict=True):
+        if isinstance(k, ExpertKey):
+            for a, b, d in runs:
+                by_drive[d] += b - a
+    assert by_drive[1] / sum(by_drive) == pytest.approx(0.25, abs=0.06)
+
+
+def test_stripe_plan_never_uses_a_drive_without_a_valid_copy(tmp_path: Path) -> None:
+    from colifs.synth import write_checkpoint
+
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
+    mirror.mkdir()  # the mirror lacks the file
+    ops, _ = make_ops(primary, mirror, [1, 1])
+    ops.reader.striping = True
+    f = next(f for f in ops.files.values() if f.is_model)
+    assert f.replicas == (0,)
+    of = OpenFile(f, [0, None], [1.0, 0.0])
+    assert ops.reader.plan(of, 0, f.size) == [(0, f.size, 0)]
+    for w in ops.reader.workers:
+        w.close()

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from colifs.layout import ExpertKey
-from colifs.routing import digest, parse_weights, pick, positions
+from colifs.routing import digest, parse_weights, pick, positions, stripe_rotation, stripe_sequence
 
 
 def experts(layers: int, n: int, stack: str = "model.layers") -> list[ExpertKey]:
@@ -104,3 +104,31 @@ def test_parse_weights() -> None:
     for bad in ("9", "9,0", "a,b", "9,-1", "9,inf", "9,nan"):
         with pytest.raises(ValueError):
             parse_weights(bad, 2)
+
+
+# -- striping --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weights", [[3, 1], [1, 1], [9, 3], [156, 50.9], [1, 1, 2], [5, 0, 1]])
+def test_stripe_sequence_follows_the_weights_in_every_window(weights: list[float]) -> None:
+    seq = stripe_sequence(weights)
+    total = sum(weights)
+    for drive, w in enumerate(weights):
+        assert abs(seq.count(drive) - len(seq) * w / total) <= 1
+        if w == 0:
+            assert drive not in seq  # never a drive without a valid copy
+    doubled = seq + seq  # windows wrap around: a key's chunks start at any rotation
+    for k in (4, 8, 16):
+        for start in range(len(seq)):
+            window = doubled[start : start + k]
+            for drive, w in enumerate(weights):
+                assert abs(window.count(drive) - k * w / total) < 2, (k, start, window)
+
+
+def test_stripe_sequence_and_rotation_are_deterministic() -> None:
+    assert stripe_sequence([3, 1]) == stripe_sequence([3.0, 1.0])
+    assert stripe_rotation(ExpertKey("model.layers", 3, 7)) == stripe_rotation(
+        ExpertKey("model.layers", 3, 7)
+    )
+    rotations = {stripe_rotation(ExpertKey("model.layers", 0, e)) for e in range(64)}
+    assert len(rotations) > 30  # experts of one layer start at different places
