@@ -49,8 +49,7 @@ def find_experts(root: str) -> list[Expert]:
         except (OSError, LayoutError):
             continue
         rel = str(path.relative_to(root))
-        ends = [*lay.starts[1:], lay.size]
-        for start, end, key in zip(lay.starts, ends, lay.keys, strict=True):
+        for start, end, key in lay.extents():
             if isinstance(key, ExpertKey):
                 experts.setdefault(key, Expert(key)).ranges.append((rel, start, end))
     return list(experts.values())

@@ -75,9 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--routing",
         choices=["expert", "stripe"],
-        default="expert",
-        help="expert: each expert (routing key) from one drive (default); stripe: keys of 2 MiB or "
-        "more cut in 1 MiB chunks spread over the drives in the weights' ratio (one reader, both drives)",
+        default="stripe",
+        help="stripe (default): keys of 2 MiB or more cut in 1 MiB chunks spread over the drives in the "
+        "weights' ratio, so even one reader uses every drive; expert: each expert from one drive",
     )
     m.add_argument(
         "--backing-io",

@@ -12,6 +12,7 @@ import json
 import re
 import struct
 from bisect import bisect_right
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -65,6 +66,11 @@ class Layout:
     size: int
     starts: tuple[int, ...]
     keys: tuple[Key, ...]
+
+    def extents(self) -> Iterator[tuple[int, int, Key]]:
+        """(start, end, key) of every extent, in file order."""
+        ends = (*self.starts[1:], self.size)
+        return zip(self.starts, ends, self.keys, strict=True)
 
     def pieces(self, off: int, end: int) -> list[tuple[int, int, int]]:
         """Cut [off, end) into (start, end, extent) pieces, in order, each inside one extent.

@@ -53,7 +53,7 @@ class MountConfig:
     probe_seconds: float = 2.0
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
-    routing: str = "expert"  # or "stripe"
+    routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
     knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
     allow_other: bool = False
     fuse_options: list[str] = field(default_factory=list)
@@ -136,8 +136,7 @@ def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
     key_bytes: dict[Key, int] = defaultdict(int)
     for f in files.values():
         if f.layout is not None:
-            ends = [*f.layout.starts[1:], f.layout.size]
-            for k, s, e in zip(f.layout.keys, f.layout.starts, ends, strict=True):
+            for s, e, k in f.layout.extents():
                 key_bytes[k] += e - s
     for f in files.values():
         if f.layout is not None:

@@ -46,7 +46,7 @@ class Reader:
         io: BackingIO,
         stats: Stats,
         pool: BufferPool | None = None,
-        routing: str = "expert",
+        routing: str = "stripe",
     ) -> None:
         self.pool = pool or BufferPool()
         self.striping = routing == "stripe"

@@ -32,7 +32,7 @@ class Stats:
         self.warnings: deque[str] = deque(maxlen=50)
         self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
         self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
-        self.routing = "expert"
+        self.routing = "stripe"
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes

@@ -127,6 +127,49 @@ def bench(dirs: list[Path], args: argparse.Namespace, devs: list[str], *extra: s
     return json.loads(out.stdout)
 
 
+def stripe_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict]) -> None:
+    """Expert vs stripe routing for few and many readers, against the two drives' sum."""
+    a, b = rig.dirs
+    w = f"{args.fast:g},{args.slow:g}"
+    phase("c", "both directly, ideal split, 16 readers", [a, b], "--weights", w)
+    readers = [
+        ("1", "1 O_DIRECT reader", ("--threads", "1")),
+        ("1m", "1 mmap reader", ("--threads", "1", "--mmap")),
+    ]
+    readers += [("4", "4 readers", ("--threads", "4")), ("32", "32 readers", ("--threads", "32"))]
+    for mode in ("expert", "stripe"):
+        with colifs_mount([a, b], mnt, "--weights", w, "--routing", mode):
+            for key, label, extra in readers:
+                phase(f"{mode}{key}", f"colifs {mode}, {label}", [mnt], *extra)
+        with colifs_mount([a, b], mnt, "--weights", w, "--routing", mode, "--readahead-kb", "4096"):
+            phase(
+                f"{mode}1m4",
+                f"colifs {mode}, 1 mmap reader, readahead 4096",
+                [mnt],
+                "--threads",
+                "1",
+                "--mmap",
+            )
+    # The limit: both drives read directly in parallel (c); a and b alone are shown for reference
+    # (the very first phase after the rig is built has read low in some runs).
+    total = res["c"]["gb_per_s"]
+    print()
+    print(
+        f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; experts of {res['a']['expert_mb']:.1f} MB; "
+        f"alone {res['a']['gb_per_s']:.3f} + {res['b']['gb_per_s']:.3f}; "
+        f"limit (c, both directly): {total:.3f} GB/s"
+    )
+    print(f"{'readers':<36} {'expert GB/s':>12} {'(of c)':>9} {'stripe GB/s':>12} {'(of c)':>9}")
+    for key, label, _ in [*readers, ("1m4", "1 mmap reader, readahead 4096", ())]:
+        e, s = res[f"expert{key}"]["gb_per_s"], res[f"stripe{key}"]["gb_per_s"]
+        print(f"{label:<36} {e:>12.3f} {e / total:>9.2f} {s:>12.3f} {s / total:>9.2f}")
+    wrapped = [k for k, r in res.items() if r["passes"]]
+    if wrapped:
+        print(f"INVALID: {', '.join(wrapped)} read every expert and began again: raise --model-gb")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "phases": res}, indent=1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", type=float, default=150, help="MB/s of the fast drive (default 150)")
@@ -146,6 +189,11 @@ def main() -> int:
         help="size of one expert (default 19, as in big MoE models; the probe reads this size too)",
     )
     p.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    p.add_argument(
+        "--stripe-study",
+        action="store_true",
+        help="only the routing study: expert vs stripe, 1 O_DIRECT reader, 1 mmap reader, 4 and 32 readers",
+    )
     p.add_argument(
         "--sweep-readahead",
         metavar="KB,...",
@@ -195,6 +243,9 @@ def main() -> int:
 
         phase("a", "primary directly", [a])
         phase("b", "mirror directly", [b])
+        if args.stripe_study:
+            stripe_study(args, phase, rig, mnt, res)
+            return 0
         phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
         with colifs_mount([a], mnt, "--no-probe"):
             phase("d", "colifs, no mirror", [mnt])
