@@ -109,8 +109,22 @@ def test_parse_weights() -> None:
 # -- striping --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("weights", [[3, 1], [1, 1], [9, 3], [156, 50.9], [1, 1, 2], [5, 0, 1]])
-def test_stripe_sequence_follows_the_weights_in_every_window(weights: list[float]) -> None:
+@pytest.mark.parametrize(
+    ("weights", "bound"),
+    # A key of k chunks gets a window of k consecutive entries: each drive's count is within one
+    # chunk of k x its weight share for two drives; with three or more drives, or ratios that
+    # 64 slots can only approximate (7:2, 10:1), within 4/3 of a chunk.
+    [
+        ([3, 1], 1),
+        ([1, 1], 1),
+        ([9, 3], 1),
+        ([156, 50.9], 1),
+        ([1, 1, 2], 4 / 3),
+        ([5, 0, 1], 4 / 3),
+        ([7, 2], 4 / 3),
+    ],
+)
+def test_stripe_sequence_follows_the_weights_in_every_window(weights: list[float], bound: float) -> None:
     seq = stripe_sequence(weights)
     total = sum(weights)
     for drive, w in enumerate(weights):
@@ -118,11 +132,11 @@ def test_stripe_sequence_follows_the_weights_in_every_window(weights: list[float
         if w == 0:
             assert drive not in seq  # never a drive without a valid copy
     doubled = seq + seq  # windows wrap around: a key's chunks start at any rotation
-    for k in (4, 8, 16):
+    for k in range(1, len(seq) + 1):
         for start in range(len(seq)):
             window = doubled[start : start + k]
             for drive, w in enumerate(weights):
-                assert abs(window.count(drive) - k * w / total) < 2, (k, start, window)
+                assert abs(window.count(drive) - k * w / total) <= bound + 1e-9, (k, start, window)
 
 
 def test_stripe_sequence_and_rotation_are_deterministic() -> None:
