@@ -111,8 +111,7 @@ class _Chooser:
 class _Reader:
     """One reader thread's open files and buffer, in one access mode."""
 
-    def __init__(self, roots: Sequence[str], mode: str, max_range: int) -> None:
-        self.roots = roots
+    def __init__(self, mode: str, max_range: int) -> None:
         self.mode = mode
         self.fds: dict[str, int] = {}
         self.maps: dict[str, tuple[mmap.mmap, ctypes.c_char]] = {}
@@ -201,7 +200,7 @@ def run(
 
     def work(k: int) -> None:
         rng = random.Random(seed * 1000 + k)
-        reader = _Reader(roots, mode, max_range)
+        reader = _Reader(mode, max_range)
         try:
             while time.monotonic() < deadline:
                 i = choose(rng)

@@ -190,6 +190,7 @@ def serve(
         replicas, workers, io or OsIO(direct=cfg.backing_io == "direct"), stats, routing=cfg.routing
     )
     stats.routing = cfg.routing
+    stats.in_flight = lambda: [w.busy for w in workers]
     ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
     options = set(pyfuse3.default_options) | {"ro", "fsname=colifs", "subtype=colifs", "noatime"}
     if cfg.allow_other:

@@ -7,7 +7,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from colifs import __version__
 from colifs.replicas import Replica, ServedFile
@@ -33,6 +33,7 @@ class Stats:
         self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
         self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
         self.routing = "stripe"
+        self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -62,6 +63,7 @@ class Stats:
 
     def as_dict(self, files: Sequence[ServedFile]) -> dict:
         total = sum(self.bytes_served) or 1
+        in_flight = self.in_flight()
         weight_sum = sum(r.weight for r in self.replicas)
         return {
             "version": __version__,
@@ -82,6 +84,7 @@ class Stats:
                     "bytes_served": self.bytes_served[i],
                     "byte_share": self.bytes_served[i] / total,
                     "reads": self.reads[i],
+                    "in_flight": in_flight[i],
                     "read_errors": self.read_errors[i],
                     "last_error": self.last_error[i],
                 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -57,12 +58,17 @@ class DriveWorkers:
         (result,) = await gather([(self, fn, args)])
         return result.unwrap()
 
-    def close(self) -> None:
-        """Stop the threads once the queued jobs are done."""
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the threads once the queued jobs are done, waiting `timeout` s at most in all.
+
+        A thread stuck in a read on a hung drive must not hang the unmount: the threads are
+        daemon threads, so the process still exits.
+        """
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join()
+            t.join(max(0.0, deadline - time.monotonic()))
 
 
 async def gather(calls: Sequence[Call]) -> list[outcome.Outcome]:

@@ -589,3 +589,12 @@ def test_stripe_routing_reads_one_expert_from_both_drives(tmp_path: Path) -> Non
             moved = [b - a for a, b in zip(before, after, strict=True)]
             assert all(x > 0 for x in moved)  # one expert, both drives
             assert moved[1] / sum(moved) == pytest.approx(0.25, abs=0.1)
+
+
+def test_stats_show_reads_in_flight_per_drive(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        assert [r["in_flight"] for r in m.stats()["replicas"]] == [0, 0]  # idle: nothing queued
+        p = shards(primary)[0]
+        assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+        assert [r["in_flight"] for r in m.stats()["replicas"]] == [0, 0]  # every read accounted back

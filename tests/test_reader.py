@@ -200,3 +200,20 @@ def test_stripe_plan_never_uses_a_drive_without_a_valid_copy(tmp_path: Path) -> 
     assert ops.reader.plan(of, 0, f.size) == [(0, f.size, 0)]
     for w in ops.reader.workers:
         w.close()
+
+
+def test_closing_workers_does_not_wait_forever_for_a_hung_read() -> None:
+    import threading
+    import time
+
+    release = threading.Event()
+    workers = DriveWorkers("hung", 2)
+
+    async def go() -> None:
+        workers.submit(release.wait, (), lambda _: None)  # a read that never returns
+
+    trio.run(go)
+    t0 = time.monotonic()
+    workers.close(timeout=0.5)
+    assert time.monotonic() - t0 < 2
+    release.set()
