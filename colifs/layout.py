@@ -69,7 +69,7 @@ class Layout:
 
     def extents(self) -> Iterator[tuple[int, int, Key]]:
         """(start, end, key) of every extent, in file order."""
-        ends = (*self.starts[1:], self.size)
+        ends = (*self.starts[1:], self.size) if self.starts else ()
         return zip(self.starts, ends, self.keys, strict=True)
 
     def pieces(self, off: int, end: int) -> list[tuple[int, int, int]]:

@@ -20,9 +20,16 @@ def setup(debug: bool = False, log_file: str | None = None) -> None:
     err.setLevel(logging.DEBUG if debug else logging.INFO)
     log.addHandler(err)
     if log_file:
-        fh = logging.FileHandler(log_file)
-        fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+        fh = logging.FileHandler(log_file, errors="backslashreplace")
+        fh.setFormatter(_Stamped())
         log.addHandler(fh)
+
+
+def one_line(text: str) -> str:
+    """Control characters (a newline in a file name) escaped: one record, one line."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 class _Short(logging.Formatter):
@@ -30,7 +37,15 @@ class _Short(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         level = "" if record.levelno == logging.INFO else record.levelname.lower() + ": "
-        text = f"colifs: {level}{record.getMessage()}"
+        text = f"colifs: {level}{one_line(record.getMessage())}"
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        return text
+
+
+class _Stamped(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        text = f"{self.formatTime(record)} {record.levelname} {one_line(record.getMessage())}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text

@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from colifs import __version__
+from colifs.logs import one_line
 from colifs.replicas import Replica, ServedFile
 
 
@@ -113,4 +114,4 @@ class KeepWarnings(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        self._stats.warnings.append(f"{stamp} {record.getMessage()}")
+        self._stats.warnings.append(f"{stamp} {one_line(record.getMessage())}")

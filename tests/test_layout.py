@@ -116,6 +116,7 @@ def test_fused_name_with_uneven_bytes_stays_whole() -> None:
 def test_zero_tensors_and_zero_size_tensors() -> None:
     empty = raw_file({"__metadata__": {"a": "b"}})
     assert parse_header(empty, len(empty)).starts == ()
+    assert list(parse_header(empty, len(empty)).extents()) == []
     blob = save({"a": np.zeros((0, 4), np.float32), "b": np.zeros(2, np.float32)})
     assert parse_header(header_of(blob), len(blob)).keys == ("b",)
 
