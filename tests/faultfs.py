@@ -1,0 +1,92 @@
+"""A fault-injecting pass-through FUSE filesystem, to serve a mirror that misbehaves on demand.
+
+    python tests/faultfs.py SOURCE MOUNTPOINT CONTROL
+
+Serves the files of the flat directory SOURCE read-only. Every read looks at the CONTROL file:
+`ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them. Files are
+opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
+at once. Test tool only: it reads CONTROL on the loop thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+import pyfuse3
+import trio
+
+
+class FaultFS(pyfuse3.Operations):
+    def __init__(self, source: str, control: str) -> None:
+        super().__init__()
+        self.source = source
+        self.control = control
+        names = sorted(os.listdir(source))
+        self.inodes = {os.fsencode(n): i + 2 for i, n in enumerate(names)}
+        self.paths = {i + 2: os.path.join(source, n) for i, n in enumerate(names)}
+        self.fds: dict[int, int] = {}
+
+    def _mode(self) -> str:
+        with open(self.control) as f:
+            return f.read().strip()
+
+    async def getattr(self, inode: int, ctx: object = None) -> pyfuse3.EntryAttributes:
+        st = os.lstat(self.source if inode == pyfuse3.ROOT_INODE else self.paths[inode])
+        a = pyfuse3.EntryAttributes()
+        for name in ("st_mode", "st_size", "st_uid", "st_gid", "st_mtime_ns", "st_ctime_ns", "st_atime_ns"):
+            setattr(a, name, getattr(st, name))
+        a.st_ino = inode
+        a.st_nlink = 1
+        a.entry_timeout = a.attr_timeout = 0
+        return a
+
+    async def lookup(self, parent: int, name: bytes, ctx: object = None) -> pyfuse3.EntryAttributes:
+        if name not in self.inodes:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return await self.getattr(self.inodes[name])
+
+    async def opendir(self, inode: int, ctx: object) -> int:
+        return inode
+
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        items = sorted(self.inodes.items())
+        for i in range(start_id, len(items)):
+            name, ino = items[i]
+            if not pyfuse3.readdir_reply(token, name, await self.getattr(ino), i + 1):
+                break
+
+    async def open(self, inode: int, flags: int, ctx: object) -> pyfuse3.FileInfo:
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        fd = os.open(self.paths[inode], os.O_RDONLY)
+        self.fds[fd] = inode
+        return pyfuse3.FileInfo(fh=fd, direct_io=True)
+
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        mode = self._mode()
+        if mode == "eio":
+            raise pyfuse3.FUSEError(errno.EIO)
+        data = os.pread(fh, size, off)
+        return data[: len(data) // 2] if mode == "short" else data
+
+    async def release(self, fh: int) -> None:
+        self.fds.pop(fh, None)
+        os.close(fh)
+
+    async def statfs(self, ctx: object) -> pyfuse3.StatvfsData:
+        return pyfuse3.StatvfsData()
+
+
+def main() -> None:
+    source, mountpoint, control = sys.argv[1:4]
+    pyfuse3.init(FaultFS(source, control), mountpoint, {"ro", "fsname=faultfs"})
+    try:
+        trio.run(pyfuse3.main)
+    finally:
+        pyfuse3.close()
+
+
+if __name__ == "__main__":
+    main()

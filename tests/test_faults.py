@@ -1,0 +1,120 @@
+"""A mirror that fails while mounted (issue 5, part 1): served from a fault-injecting FUSE mirror.
+
+Every byte read through colifs must stay the primary's, whatever the mirror does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from colifs.synth import write_checkpoint
+from tests.conftest import force_unmount, is_mounted, run_colifs
+from tests.test_mount import read_direct
+
+FAULTFS = str(Path(__file__).with_name("faultfs.py"))
+
+
+@contextmanager
+def faulty_mirror(source: Path, mnt: Path, control: Path) -> Iterator[subprocess.Popen]:
+    control.write_text("ok")
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, FAULTFS, str(source), str(mnt), str(control)])
+    try:
+        deadline = time.monotonic() + 20
+        while not (is_mounted(mnt) and os.listdir(mnt)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+        force_unmount(mnt)
+
+
+@contextmanager
+def colifs_on(primary: Path, mirror: Path, mnt: Path) -> Iterator[Path]:
+    mnt.mkdir()
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt), "--weights", "1,1")
+    assert out.returncode == 0, out.stderr
+    try:
+        yield mnt
+    finally:
+        run_colifs("umount", str(mnt))
+        force_unmount(mnt)
+
+
+def stats(mnt: Path) -> dict:
+    return json.loads((mnt / ".colifs" / "stats.json").read_text())
+
+
+def read_all(mnt: Path, primary: Path) -> None:
+    for p in sorted(primary.glob("*.safetensors")):
+        assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes(), p.name
+
+
+def setup_model(tmp_path: Path) -> tuple[Path, Path]:
+    primary, source = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "deepseek", layers=2, experts=16, hidden=512, inter=512, shards=3)
+    shutil.copytree(primary, source)
+    return primary, source
+
+
+def test_a_mirror_that_starts_failing_mid_run(tmp_path: Path) -> None:
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
+    ):
+        read_all(mnt, primary)
+        first = stats(mnt)
+        assert first["fallbacks"] == 0 and first["replicas"][1]["bytes_served"] > 0
+        for fault, word in (("eio", "read error"), ("short", "short read")):
+            control.write_text(fault)
+            before = stats(mnt)
+            read_all(mnt, primary)  # the right bytes, every one
+            after = stats(mnt)
+            assert after["fallbacks"] > before["fallbacks"]
+            assert after["replicas"][1]["bytes_served"] == before["replicas"][1]["bytes_served"]
+            assert after["replicas"][1]["read_errors"] > before["replicas"][1]["read_errors"]
+            if fault == "eio":
+                assert word in after["replicas"][1]["last_error"]
+                warned = [w for w in after["recent_warnings"] if "reading from the primary instead" in w]
+                names = [p.name for p in primary.glob("*.safetensors")]
+                assert sorted(n for n in names for w in warned if f" {n}: mirror" in w) == sorted(
+                    names
+                )  # one each
+        control.write_text("ok")
+        before = stats(mnt)
+        read_all(mnt, primary)
+        assert stats(mnt)["replicas"][1]["bytes_served"] > before["replicas"][1]["bytes_served"]  # used again
+
+
+def test_a_mirror_that_vanishes_while_files_are_open(tmp_path: Path) -> None:
+    primary, source = setup_model(tmp_path)
+    with (
+        faulty_mirror(source, tmp_path / "faulty", tmp_path / "control") as proc,
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
+    ):
+        files = sorted(primary.glob("*.safetensors"))
+        held = [os.open(mnt / p.name, os.O_RDONLY | os.O_DIRECT) for p in files]  # colifs keeps them open
+        try:
+            read_all(mnt, primary)
+            proc.send_signal(signal.SIGKILL)  # the mirror's filesystem is gone
+            proc.wait()
+            read_all(mnt, primary)  # still the right bytes, from the primary
+            st = stats(mnt)
+            assert st["fallbacks"] > 0 and st["replicas"][1]["read_errors"] > 0
+        finally:
+            for fd in held:
+                os.close(fd)
+        read_all(mnt, primary)  # reopened: the mirror cannot be opened, the primary serves
