@@ -118,3 +118,89 @@ def test_a_mirror_that_vanishes_while_files_are_open(tmp_path: Path) -> None:
             for fd in held:
                 os.close(fd)
         read_all(mnt, primary)  # reopened: the mirror cannot be opened, the primary serves
+
+
+def daemon_fds_and_rss(pid: int) -> tuple[int, int]:
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+    return len(os.listdir(f"/proc/{pid}/fd")), rss * 1024
+
+
+def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
+    """Bounded in CI (COLIFS_SOAK_SECONDS, default 20); longer by setting it."""
+    import mmap as mmap_mod
+    import random
+    import threading
+
+    seconds = float(os.environ.get("COLIFS_SOAK_SECONDS", "20"))
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    want = {p.name: p.read_bytes() for p in sorted(primary.glob("*.safetensors"))}
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
+    ):
+        pid = stats(mnt)["pid"]
+        fds0, rss0 = daemon_fds_and_rss(pid)
+        stop = time.monotonic() + seconds
+        counts = {"reads": 0, "bytes": 0, "mismatches": 0}
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+
+        def flip() -> None:
+            modes = ["ok", "eio", "ok", "short"]
+            k = 0
+            while time.monotonic() < stop:
+                control.write_text(modes[k % len(modes)])
+                k += 1
+                time.sleep(0.4)
+            control.write_text("ok")
+
+        def reader(k: int) -> None:
+            rng = random.Random(k)
+            try:
+                while time.monotonic() < stop:
+                    name = rng.choice(list(want))
+                    data, path = want[name], mnt / name
+                    off = rng.randrange(len(data))
+                    size = rng.choice([1, 4096, 65536, 1 << 20, rng.randrange(1, 3 << 20)])
+                    how = k % 3
+                    if how == 0:
+                        with open(path, "rb") as f:
+                            got = os.pread(f.fileno(), size, off)
+                    elif how == 1:
+                        with (
+                            open(path, "rb") as f,
+                            mmap_mod.mmap(f.fileno(), 0, prot=mmap_mod.PROT_READ) as mm,
+                        ):
+                            got = mm[off : off + size]
+                    else:
+                        got = read_direct(path, off, size)
+                    with lock:
+                        counts["reads"] += 1
+                        counts["bytes"] += len(got)
+                        counts["mismatches"] += got != data[off : off + size]
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=flip)] + [
+            threading.Thread(target=reader, args=(k,)) for k in range(32)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        deadline = time.monotonic() + 5
+        while daemon_fds_and_rss(pid)[0] > fds0 and time.monotonic() < deadline:
+            time.sleep(0.1)  # FUSE releases arrive just after the last close
+        fds1, rss1 = daemon_fds_and_rss(pid)
+        st = stats(mnt)
+        print(
+            f"\nsoak {seconds:g} s: {counts['reads']} reads, {counts['bytes'] / 1e9:.2f} GB, "
+            f"{counts['mismatches']} mismatches, fallbacks {st['fallbacks']}, "
+            f"daemon fds {fds0} -> {fds1}, RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB"
+        )
+        assert errors == [] and counts["mismatches"] == 0
+        assert counts["reads"] > 1000 and st["fallbacks"] > 0
+        assert fds1 == fds0  # every descriptor opened for the readers was closed again
+        assert rss1 - rss0 < 200 * 2**20  # bounded: at most the buffer pool (128 x 1 MiB) and caches
