@@ -30,6 +30,10 @@ class BackingIO(Protocol):
         """What can be read without blocking (page-cache hits); never blocks, may return 0."""
         ...
 
+    def identity(self, fd: int) -> tuple[int, int, int, int]:
+        """(st_dev, st_ino, st_size, st_mtime_ns) of an open file: has it changed?"""
+        ...
+
     def close(self, fd: int) -> None: ...
 
 
@@ -80,6 +84,10 @@ class OsIO:
             return os.preadv(fd, [view], offset, os.RWF_NOWAIT)
         except OSError:  # EAGAIN (not cached), or a real error the blocking path will report
             return 0
+
+    def identity(self, fd: int) -> tuple[int, int, int, int]:
+        st = os.fstat(fd)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def close(self, fd: int) -> None:
         self._direct_fds.discard(fd)

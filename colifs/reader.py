@@ -18,7 +18,7 @@ from colifs.backing import BackingIO
 from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.layout import HEADER, ExpertKey
 from colifs.logs import WarnOnce
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Identity, Replica, ServedFile
 from colifs.routing import CHUNK, pick, stripe_sequence
 from colifs.stats import Stats
 from colifs.workers import DriveWorkers, gather
@@ -68,9 +68,13 @@ class Reader:
             fds[0] = await self.workers[0].run(self.io.open, self._path(0, f))
             for i in f.replicas[1:]:
                 try:
-                    fds[i] = await self.workers[i].run(self.io.open, self._path(i, f))
+                    fd = await self.workers[i].run(self._open_checked, self._path(i, f), f.identities[i])
                 except OSError as e:
                     self._mirror_trouble(f, i, f"cannot open ({e.strerror})")
+                except Changed as e:
+                    self._mirror_changed(f, i, str(e))
+                else:
+                    fds[i] = fd
             weights = [r.weight if fds[r.index] is not None else 0.0 for r in self.replicas]
             of = self._open.get(f.relpath)  # another task may have opened it meanwhile
             if of is None:
@@ -89,6 +93,23 @@ class Reader:
             for fd in of.fds:
                 if fd is not None:
                     self.io.close(fd)
+
+    def _open_checked(self, path: str, expect: Identity) -> int:
+        """Open a mirror copy, if it is still the one validated at mount (on a worker thread)."""
+        fd = self.io.open(path)
+        now = self.io.identity(fd)
+        if now != expect:
+            self.io.close(fd)
+            raise Changed(_what_changed(expect, now))
+        return fd
+
+    def _pread_checked(self, fd: int, view: memoryview, offset: int, expect: Identity) -> int:
+        """A mirror read whose bytes count only if the file is unchanged after it (worker thread)."""
+        n = self.io.pread_into(fd, view, offset)
+        now = self.io.identity(fd)
+        if now != expect:
+            raise Changed(_what_changed(expect, now))
+        return n
 
     def _path(self, drive: int, f: ServedFile) -> str:
         return os.path.join(self.replicas[drive].root, f.relpath)
@@ -172,6 +193,11 @@ class Reader:
         calls, waiting = [], []
         for i, (s, e, d) in enumerate(runs):
             fd = of.fds[d]
+            if d != 0:  # mirrors: always on a worker, checked for changes after the read
+                rest = (fd, view[s - base : e - base], s, of.file.identities[d])
+                calls.append((self.workers[d], self._pread_checked, rest))
+                waiting.append(i)
+                continue
             got[i] = self.io.pread_nowait(fd, view[s - base : e - base], s)
             if got[i] < min(e, size) - s:
                 rest = (fd, view[s + got[i] - base : e - base], s + got[i])
@@ -195,6 +221,13 @@ class Reader:
         redo = []
         for i, ((s, e, d), result) in enumerate(zip(runs, results, strict=True)):
             if d == 0:
+                continue
+            if isinstance(result, outcome.Error) and isinstance(result.error, Changed):
+                self.stats.failed(d, f"changed since mount: {result.error}")
+                self.stats.fallbacks += 1
+                self._mirror_changed(of.file, d, str(result.error))
+                of.weights[d] = 0.0
+                redo.append(i)
                 continue
             if isinstance(result, outcome.Error):
                 problem = f"read error at {s}: {_describe(result.error)}"
@@ -224,6 +257,17 @@ class Reader:
             if result.value < e - s:  # end of file (or the file shrank under us)
                 break
         return valid
+
+    def _mirror_changed(self, f: ServedFile, drive: int, what: str) -> None:
+        """A mirror copy changed after mount: never used again for this file."""
+        if drive in f.replicas:
+            f.drop(drive, f"mirror {self.replicas[drive].root}: changed since mount ({what})")
+            log.warning(
+                "%s: mirror %s: changed since mount (%s); no longer used for this file",
+                f.relpath,
+                self.replicas[drive].root,
+                what,
+            )
 
     def _mirror_trouble(self, f: ServedFile, drive: int, problem: str) -> None:
         self._warn(
@@ -260,3 +304,12 @@ def _overlap(s: int, e: int, off: int, end: int) -> int:
 
 def _describe(error: BaseException) -> str:
     return (error.strerror if isinstance(error, OSError) else None) or repr(error)
+
+
+class Changed(Exception):
+    """A mirror copy is no longer the file validated at mount."""
+
+
+def _what_changed(before: Identity, now: Identity) -> str:
+    names = ("device", "inode", "size", "mtime")
+    return ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, before, now, strict=True) if a != b)

@@ -18,6 +18,14 @@ from colifs.layout import Layout, LayoutError
 log = logging.getLogger("colifs")
 
 
+Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def identity(st: os.stat_result) -> Identity:
+    """What must not change for a validated mirror copy to stay usable."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
 @dataclass(frozen=True, slots=True)
 class Replica:
     """One copy of the model directory. Index 0 is the primary, the source of truth."""
@@ -46,33 +54,42 @@ class ServedFile:
     note: str = ""
     positions: tuple[float, ...] = field(default=())
     stripes: tuple[int, ...] = field(default=())
+    identities: dict[int, Identity] = field(default_factory=dict)  # per valid mirror, at mount
+
+    def drop(self, replica: int, why: str) -> None:
+        """Stop using a mirror for this file (it changed after mount); notes say why."""
+        self.replicas = tuple(r for r in self.replicas if r != replica)
+        self.note = "; ".join(x for x in (self.note, why) if x)
 
     @property
     def is_model(self) -> bool:
         return format_of(self.relpath) is not None
 
 
-def mirror_problem(mirror_path: str, size: int, header: bytes) -> str | None:
-    """Why the mirror copy at `mirror_path` cannot serve the file, or None when it can."""
+def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | None, Identity | None]:
+    """(why the mirror copy cannot serve the file or None, its identity when it can)."""
     try:
         st = os.stat(mirror_path)
     except FileNotFoundError:
-        return "missing"
+        return "missing", None
     except OSError as e:
-        return f"cannot stat ({e.strerror})"
+        return f"cannot stat ({e.strerror})", None
     if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
+        return "not a regular file", None
     if st.st_size != size:
-        return f"size differs ({st.st_size} bytes, primary {size})"
+        return f"size differs ({st.st_size} bytes, primary {size})", None
     try:
         fd = os.open(mirror_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             theirs = os.pread(fd, len(header), 0)
+            ident = identity(os.fstat(fd))
         finally:
             os.close(fd)
     except OSError as e:
-        return f"cannot read header ({e.strerror})"
-    return None if theirs == header else "header differs"
+        return f"cannot read header ({e.strerror})", None
+    if theirs != header:
+        return "header differs", None
+    return (None, ident) if ident == identity(st) else ("changed while it was checked", None)
 
 
 def validate(path: str, relpath: str, replicas: list[Replica], fmt: Format) -> ServedFile:
@@ -86,14 +103,16 @@ def validate(path: str, relpath: str, replicas: list[Replica], fmt: Format) -> S
         return ServedFile(relpath, _size_or_zero(path), note=note)
     valid = [0]
     notes = []
+    idents: dict[int, Identity] = {}
     for r in replicas[1:]:
-        problem = mirror_problem(os.path.join(r.root, relpath), size, header)
-        if problem is None:
+        problem, ident = mirror_problem(os.path.join(r.root, relpath), size, header)
+        if ident is not None:
             valid.append(r.index)
+            idents[r.index] = ident
         else:
             notes.append(f"mirror {r.root}: {problem}")
             log.warning("%s: mirror %s: %s; served without this mirror", relpath, r.root, problem)
-    return ServedFile(relpath, size, layout, tuple(valid), "; ".join(notes))
+    return ServedFile(relpath, size, layout, tuple(valid), "; ".join(notes), identities=idents)
 
 
 def _size_or_zero(path: str) -> int:

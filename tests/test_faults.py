@@ -6,6 +6,7 @@ Every byte read through colifs must stay the primary's, whatever the mirror does
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from colifs.synth import write_checkpoint
 from tests.conftest import force_unmount, is_mounted, run_colifs
@@ -204,3 +207,47 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
         assert counts["reads"] > 1000 and st["fallbacks"] > 0
         assert fds1 == fds0  # every descriptor opened for the readers was closed again
         assert rss1 - rss0 < 200 * 2**20  # bounded: at most the buffer pool (128 x 1 MiB) and caches
+
+
+@pytest.mark.parametrize("change", ["rewritten in place", "truncated", "replaced (new inode)"])
+def test_a_mirror_file_changed_after_mount_is_never_served(tmp_path: Path, change: str) -> None:
+    primary, mirror = setup_model(tmp_path)
+    target = sorted(primary.glob("*.safetensors"))[0]
+    other = tmp_path / "other"
+    with colifs_on(primary, mirror, tmp_path / "mnt") as mnt:
+        held = os.open(mnt / target.name, os.O_RDONLY | os.O_DIRECT)  # open before the change
+        try:
+            read_all(mnt, primary)
+            m = mirror / target.name
+            stamp = m.stat().st_mtime_ns
+            if change == "rewritten in place":
+                with open(m, "r+b") as f:  # same size, same inode, other bytes after the header
+                    f.seek(m.stat().st_size // 2)
+                    f.write(os.urandom(1 << 20))
+                os.utime(m, ns=(stamp + 10**9, stamp + 10**9))
+            elif change == "truncated":
+                os.truncate(m, m.stat().st_size // 2)
+            else:
+                other.write_bytes(os.urandom(m.stat().st_size))
+                os.replace(other, m)
+            before = stats(mnt)["replicas"][1]["bytes_served"]
+            data = target.read_bytes()
+            for off in range(0, len(data), 1 << 20):  # through the handle opened before the change
+                buf = mmap.mmap(-1, 1 << 20)
+                n = os.preadv(held, [buf], off)
+                assert bytes(buf[:n]) == data[off : off + n]
+            read_all(mnt, primary)  # and through new opens
+            st = stats(mnt)
+            entry = st["files"][target.name]
+            if change != "replaced (new inode)":  # a renamed-over copy: the open handle still reads
+                assert entry["replicas"] == [str(primary)]  # the old, unchanged inode (right bytes)
+                assert "changed since mount" in entry["note"]
+                assert any(target.name in w and "changed since mount" in w for w in st["recent_warnings"])
+            read_all(mnt, primary)
+            assert stats(mnt)["replicas"][1]["bytes_served"] >= before  # other files still mirrored
+        finally:
+            os.close(held)
+        read_all(mnt, primary)  # after the last close the file is reopened: the change is seen
+        st = stats(mnt)
+        assert st["files"][target.name]["replicas"] == [str(primary)]
+        assert "changed since mount" in st["files"][target.name]["note"]
