@@ -86,6 +86,14 @@ def _parser() -> argparse.ArgumentParser:
         help="read the drives with O_DIRECT (default; the mount's page cache is then the only cache) "
         "or buffered",
     )
+    m.add_argument(
+        "--mirror-timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="a mirror read not answered within S seconds is re-read from the primary; "
+        "repeated failures take the mirror out of use until a check read passes (default: 5, 0 = never)",
+    )
     m.add_argument("--log-file", metavar="PATH", help="also log to PATH (the daemon's only log once ready)")
     m.add_argument("-d", "--debug", action="store_true", help="debug logging")
 
@@ -193,6 +201,8 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         source = "probed"
     if args.threads_per_drive < 1:
         raise UsageError("--threads-per-drive must be at least 1")
+    if not args.mirror_timeout >= 0:
+        raise UsageError("--mirror-timeout must be 0 or more seconds")
     knobs = Knobs(
         DEFAULT_READ_AHEAD_KB if args.readahead_kb is None else args.readahead_kb,
         DEFAULT_MAX_BACKGROUND if args.max_background is None else args.max_background,
@@ -211,6 +221,7 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         routing=args.routing,
         knobs=knobs,
         allow_other=args.allow_other,
+        mirror_timeout=args.mirror_timeout or None,
     )
 
 

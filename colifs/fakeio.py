@@ -3,6 +3,8 @@
 io = FaultyIO()
 io.fail("/second/m", "eio")      # every read under that root raises EIO
 io.fail("/second/m", "short")    # ... or returns half of what was asked
+io.fail("/second/m", "hang")     # reads block until the fault changes, then fill the buffer
+                                 # with 0xEE: a late answer only a given-up read may get away with
 io.fail("/second/m", None)       # healthy again
 """
 
@@ -10,12 +12,13 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from typing import Literal
 
 from colifs.backing import OsIO
 from colifs.buffers import align_down
 
-Fault = Literal["eio", "short", "open"] | None
+Fault = Literal["eio", "short", "open", "hang"] | None
 
 
 class FaultyIO(OsIO):
@@ -50,6 +53,11 @@ class FaultyIO(OsIO):
             raise OSError(errno.EIO, os.strerror(errno.EIO), path)
         if fault == "short":
             return super().pread_into(fd, view[: align_down(len(view) // 2)], offset)
+        if fault == "hang":
+            while self._fault(path)[1] == "hang":
+                time.sleep(0.01)
+            view[:] = b"\xee" * len(view)
+            return len(view)
         return super().pread_into(fd, view, offset)
 
     def pread_nowait(self, fd: int, view: memoryview, offset: int) -> int:

@@ -56,6 +56,7 @@ class MountConfig:
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
     knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
     allow_other: bool = False
+    mirror_timeout: float | None = 5.0  # a mirror read unanswered after this is re-read from the primary
     fuse_options: list[str] = field(default_factory=list)
 
 
@@ -185,10 +186,12 @@ def serve(
     log.addHandler(KeepWarnings(stats))
     log.info("%s", describe(replicas, cfg.weights_source, files))
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
-    workers = [DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive) for r in replicas]
-    reader = Reader(
-        replicas, workers, io or OsIO(direct=cfg.backing_io == "direct"), stats, routing=cfg.routing
-    )
+    workers = [
+        DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
+        for r in replicas
+    ]
+    backing = io or OsIO(direct=cfg.backing_io == "direct")
+    reader = Reader(replicas, workers, backing, stats, routing=cfg.routing, files=list(files.values()))
     stats.routing = cfg.routing
     stats.in_flight = lambda: [w.busy for w in workers]
     ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
@@ -205,7 +208,7 @@ def serve(
         except RuntimeError as e:
             raise MountError(f"cannot mount on {mnt}: {e}") from None
         try:
-            trio.run(_main, mnt, cfg.knobs, stats, on_ready, early)
+            trio.run(_main, mnt, cfg.knobs, reader, on_ready, early)
         finally:
             pyfuse3.close(unmount=True)
     finally:
@@ -216,7 +219,10 @@ def serve(
     log.debug("unmounted %s", mnt)
 
 
-async def _main(mnt: str, knobs: Knobs, stats: Stats, on_ready: Callable[[], None], early: list[int]) -> None:
+async def _main(
+    mnt: str, knobs: Knobs, reader: Reader, on_ready: Callable[[], None], early: list[int]
+) -> None:
+    stats = reader.stats
     async with trio.open_nursery() as nursery:
 
         async def fuse_loop() -> None:
@@ -241,6 +247,7 @@ async def _main(mnt: str, knobs: Knobs, stats: Stats, on_ready: Callable[[], Non
                     return
 
         nursery.start_soon(fuse_loop)
+        nursery.start_soon(reader.watch)
         await nursery.start(signals)
         # Ready means serving: a real request through the kernel proves it.
         path = os.path.join(mnt, ".colifs", "stats")

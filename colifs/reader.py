@@ -7,21 +7,26 @@ matched at mount, and any error or short read on it is answered by re-reading fr
 
 from __future__ import annotations
 
+import errno
 import logging
+import math
+import mmap
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import outcome
+import trio
 
 from colifs.backing import BackingIO
 from colifs.buffers import BLOCK, BufferPool, align_down, align_up
+from colifs.health import Health
 from colifs.layout import HEADER, ExpertKey
 from colifs.logs import WarnOnce
 from colifs.replicas import Identity, Replica, ServedFile
 from colifs.routing import CHUNK, pick, stripe_sequence
 from colifs.stats import Stats
-from colifs.workers import DriveWorkers, gather
+from colifs.workers import DriveWorkers, TimedOut, gather
 
 log = logging.getLogger("colifs")
 
@@ -33,7 +38,8 @@ class OpenFile:
     file: ServedFile
     fds: list[int | None]  # per replica; None = not used for this file
     weights: list[float]  # per replica; 0 where fds is None
-    refs: int = 0
+    refs: int
+    detached: set[int]  # mirrors not opened yet because they were down
 
 
 class Reader:
@@ -47,8 +53,14 @@ class Reader:
         stats: Stats,
         pool: BufferPool | None = None,
         routing: str = "stripe",
+        files: Sequence[ServedFile] = (),
     ) -> None:
         self.pool = pool or BufferPool()
+        self.files = list(files)  # where the health checks of a down mirror read from
+        self.health = [Health() for _ in replicas]  # [0], the primary's, is never failed
+        stats.health = self.health
+        self._down: set[int] = set()
+        self._went_down = trio.Event()
         self.striping = routing == "stripe"
         self._sequences: dict[tuple[float, ...], tuple[int, ...]] = {}
         self.replicas = list(replicas)
@@ -61,30 +73,43 @@ class Reader:
     # -- descriptors -------------------------------------------------------------------------
 
     async def open(self, f: ServedFile) -> OpenFile:
-        """Open the primary copy (errors propagate) and every valid mirror copy (errors warn)."""
+        """Open the primary copy (errors propagate) and every usable mirror copy (errors warn)."""
         of = self._open.get(f.relpath)
         if of is None:
-            fds: list[int | None] = [None] * len(self.replicas)
-            fds[0] = await self.workers[0].run(self.io.open, self._path(0, f))
-            for i in f.replicas[1:]:
-                try:
-                    fd = await self.workers[i].run(self._open_checked, self._path(i, f), f.identities[i])
-                except OSError as e:
-                    self._mirror_trouble(f, i, f"cannot open ({e.strerror})")
-                except Changed as e:
-                    self._mirror_changed(f, i, str(e))
-                else:
-                    fds[i] = fd
-            weights = [r.weight if fds[r.index] is not None else 0.0 for r in self.replicas]
-            of = self._open.get(f.relpath)  # another task may have opened it meanwhile
+            fd = await self.workers[0].run(self.io.open, self._path(0, f))
+            of = self._open.get(f.relpath)
             if of is None:
-                of = self._open[f.relpath] = OpenFile(f, fds, weights)
-            else:
-                for fd in fds:
-                    if fd is not None:
-                        self.io.close(fd)
+                fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
+                weights = [self.replicas[0].weight] + [0.0] * (len(self.replicas) - 1)
+                of = self._open[f.relpath] = OpenFile(f, fds, weights, 1, set(f.replicas[1:]))
+                await self._attach(of)
+                return of
+            self.io.close(fd)  # another task opened it meanwhile
         of.refs += 1
         return of
+
+    async def _attach(self, of: OpenFile) -> None:
+        """Open the file's mirror copies, except on down mirrors: those wait until they are back.
+
+        A copy that fails to open is not tried again for this open file (it warns once).
+        """
+        f = of.file
+        for i in sorted(of.detached - self._down):
+            of.detached.discard(i)
+            if i not in f.replicas:
+                continue
+            try:
+                fd = await self.workers[i].run(
+                    self._open_checked, self._path(i, f), f.identities[i], on_late=self._close_late
+                )
+            except (OSError, TimedOut) as e:
+                self._mirror_failed(i, f"cannot open {f.relpath} ({_describe(e)})", isinstance(e, TimedOut))
+                self._mirror_trouble(f, i, f"cannot open ({_describe(e)})")
+            except Changed as e:
+                self._mirror_changed(f, i, str(e))
+            else:
+                of.fds[i] = fd
+                of.weights[i] = self.replicas[i].weight
 
     def release(self, of: OpenFile) -> None:
         of.refs -= 1
@@ -93,6 +118,11 @@ class Reader:
             for fd in of.fds:
                 if fd is not None:
                     self.io.close(fd)
+
+    def _close_late(self, result: outcome.Outcome) -> None:
+        """A mirror open that answered after its timeout: nobody uses the descriptor."""
+        if isinstance(result, outcome.Value):
+            self.io.close(result.value)
 
     def _open_checked(self, path: str, expect: Identity) -> int:
         """Open a mirror copy, if it is still the one validated at mount (on a worker thread)."""
@@ -125,6 +155,9 @@ class Reader:
         f = of.file
         if f.layout is None or len(f.replicas) == 1:
             return [(off, end, 0)]
+        weights = of.weights
+        if self._down:
+            weights = [0.0 if i in self._down else w for i, w in enumerate(weights)]
         runs: list[tuple[int, int, int]] = []
 
         def add(start: int, stop: int, drive: int, layer: str | None) -> None:
@@ -144,9 +177,9 @@ class Reader:
             layer = f"{key.stack}.{key.layer}" if isinstance(key, ExpertKey) else None
             rotation = f.stripes[extent] if self.striping else -1
             if rotation < 0:
-                add(start, stop, pick(f.positions[extent], of.weights), layer)
+                add(start, stop, pick(f.positions[extent], weights), layer)
                 continue
-            seq = self._sequence(of)
+            seq = self._sequence(weights)
             while start < stop:
                 chunk = start // CHUNK
                 piece_end = min(stop, (chunk + 1) * CHUNK)
@@ -154,11 +187,11 @@ class Reader:
                 start = piece_end
         return runs
 
-    def _sequence(self, of: OpenFile) -> tuple[int, ...]:
-        key = tuple(of.weights)
+    def _sequence(self, weights: list[float]) -> tuple[int, ...]:
+        key = tuple(weights)
         seq = self._sequences.get(key)
         if seq is None:
-            seq = self._sequences[key] = stripe_sequence(of.weights)
+            seq = self._sequences[key] = stripe_sequence(weights)
         return seq
 
     async def read(self, of: OpenFile, off: int, size: int) -> bytes | memoryview:
@@ -170,14 +203,16 @@ class Reader:
         end = min(off + size, of.file.size)
         if off >= end:
             return b""
+        if of.detached and not of.detached <= self._down:
+            await self._attach(of)  # a mirror that was down when the file was opened is back
         start, stop = align_down(off), align_up(end)
         runs = snap(self.plan(of, start, end), stop)
         buf = self.pool.take(stop - start)
-        try:
-            view = memoryview(buf)
-            valid = min(end, await self._read_runs(of, runs, view, off, end))
-        finally:
+        # Not back to the pool on an exception, or when a read given up on still writes into it.
+        valid, view = await self._read_runs(of, runs, memoryview(buf), off, end)
+        if view.obj is buf:
             self.pool.lend(buf)
+        valid = min(end, valid)
         return view[off - start : valid - start] if valid > off else b""
 
     async def _fetch(
@@ -186,7 +221,8 @@ class Reader:
         """Read each run on its drive, concurrently; per run, the byte count or the error.
 
         Page-cache hits (buffered backing) are read inline without blocking; the rest is handed
-        to the drives' workers all at once.
+        to the drives' workers all at once. A mirror read past its drive's timeout is given up
+        on: its outcome is a TimedOut error.
         """
         size = of.file.size
         got = [0] * len(runs)
@@ -205,19 +241,28 @@ class Reader:
                 waiting.append(i)
         results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
         for i, result in zip(waiting, await gather(calls) if calls else [], strict=True):
-            results[i] = outcome.Value(got[i] + result.value) if isinstance(result, outcome.Value) else result
+            if result is None:
+                timeout = self.workers[runs[i][2]].timeout
+                results[i] = outcome.Error(TimedOut(f"no answer within {timeout:g} s"))
+            elif isinstance(result, outcome.Value):
+                results[i] = outcome.Value(got[i] + result.value)
+            else:
+                results[i] = result
         return results
 
     async def _read_runs(
         self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, off: int, end: int
-    ) -> int:
+    ) -> tuple[int, memoryview]:
         """Read the runs, re-read failed mirror runs from the primary, count what each drive served.
 
-        Returns the file offset up to which `view` holds valid bytes.
+        Returns the file offset up to which the returned view (`view`, or a fresh buffer when a
+        mirror read was given up on) holds valid bytes.
         """
         base = runs[0][0]
         size = of.file.size
         results = await self._fetch(of, runs, view, base)
+        if any(isinstance(r, outcome.Error) and isinstance(r.error, TimedOut) for r in results):
+            view = _salvage(runs, results, view, base)
         redo = []
         for i, ((s, e, d), result) in enumerate(zip(runs, results, strict=True)):
             if d == 0:
@@ -229,15 +274,20 @@ class Reader:
                 of.weights[d] = 0.0
                 redo.append(i)
                 continue
+            timed_out = False
             if isinstance(result, outcome.Error):
-                problem = f"read error at {s}: {_describe(result.error)}"
+                timed_out = isinstance(result.error, TimedOut)
+                what = "timeout" if timed_out else "read error"
+                problem = f"{what} at {s}: {_describe(result.error)}"
             elif result.value < min(e, size) - s:
                 problem = f"short read at {s}: {result.value} of {min(e, size) - s} bytes"
             else:
                 self.stats.served(d, _overlap(s, e, off, end))
+                self.health[d].succeeded()
                 continue
             self.stats.failed(d, problem)
             self.stats.fallbacks += 1
+            self._mirror_failed(d, problem, timed_out)
             self._mirror_trouble(of.file, d, problem)
             redo.append(i)
         if redo:
@@ -256,7 +306,72 @@ class Reader:
             valid += result.value
             if result.value < e - s:  # end of file (or the file shrank under us)
                 break
-        return valid
+        return valid, view
+
+    # -- mirror health -----------------------------------------------------------------------
+
+    def _mirror_failed(self, drive: int, problem: str, timed_out: bool = False) -> None:
+        if self.health[drive].failed(problem, timed_out):
+            self._down.add(drive)
+            self._went_down.set()
+            log.warning(
+                "mirror %s: %d failures in a row (last: %s); its reads go to the primary until a "
+                "check read passes",
+                self.replicas[drive].root,
+                self.health[drive].in_a_row,
+                problem,
+            )
+
+    async def watch(self) -> None:
+        """Runs for the life of the mount: checks each down mirror once its back-off is over."""
+        while True:
+            for d in sorted(self._down):
+                if self.health[d].due():
+                    await self._check(d)
+            wait = min((self.health[d].wait() for d in self._down), default=math.inf)
+            with trio.move_on_after(wait):
+                await self._went_down.wait()
+            if self._went_down.is_set():
+                self._went_down = trio.Event()
+
+    async def _check(self, drive: int) -> None:
+        """One small read from the drive (a different file and offset each time)."""
+        h = self.health[drive]
+        h.checks += 1
+        held = [f for f in self.files if drive in f.replicas and f.size > 0]
+        f = held[h.checks % len(held)] if held else None
+        try:
+            if f is None:  # no file left on it to read: its directory must still be there
+                await self.workers[drive].run(os.stat, self.replicas[drive].root)
+            else:
+                offset = align_down(h.checks * CHUNK % f.size)
+                await self.workers[drive].run(
+                    self._check_read, self._path(drive, f), f.identities[drive], offset
+                )
+        except (OSError, TimedOut, Changed) as e:
+            if isinstance(e, Changed) and f is not None:
+                self._mirror_changed(f, drive, str(e))
+            h.check_failed(f"check read: {_describe(e)}", isinstance(e, TimedOut))
+            log.debug(
+                "mirror %s: check read failed (%s); next in %.0f s", self.replicas[drive].root, e, h.wait()
+            )
+            return
+        down_for = h.check_passed()
+        self._down.discard(drive)
+        log.warning(
+            "mirror %s: check read passed; back in use (down for %.1f s)", self.replicas[drive].root, down_for
+        )
+
+    def _check_read(self, path: str, expect: Identity, offset: int) -> None:
+        """Open, read one block, close (on a worker thread; its own buffer, so it may be given up on)."""
+        fd = self._open_checked(path, expect)
+        try:
+            buf = mmap.mmap(-1, BLOCK)
+            want = min(BLOCK, expect[2] - offset)
+            if self.io.pread_into(fd, memoryview(buf), offset) < want:
+                raise OSError(errno.EIO, f"short read at {offset}")
+        finally:
+            self.io.close(fd)
 
     def _mirror_changed(self, f: ServedFile, drive: int, what: str) -> None:
         """A mirror copy changed after mount: never used again for this file."""
@@ -295,6 +410,20 @@ def snap(runs: list[tuple[int, int, int]], stop: int) -> list[tuple[int, int, in
         else:
             out.append((s, e, d))
     return out
+
+
+def _salvage(
+    runs: list[tuple[int, int, int]], results: list[outcome.Outcome], view: memoryview, base: int
+) -> memoryview:
+    """A fresh buffer holding the finished runs' bytes: reads given up on still write into `view`.
+
+    Only the runs that finished are copied; the others are re-read from the primary into it.
+    """
+    fresh = memoryview(mmap.mmap(-1, len(view)))
+    for (s, _, _), r in zip(runs, results, strict=True):
+        if isinstance(r, outcome.Value):
+            fresh[s - base : s - base + r.value] = view[s - base : s - base + r.value]
+    return fresh
 
 
 def _overlap(s: int, e: int, off: int, end: int) -> int:

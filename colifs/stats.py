@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from colifs import __version__
+from colifs.health import Health
 from colifs.logs import one_line
 from colifs.replicas import Replica, ServedFile
 
@@ -35,6 +36,7 @@ class Stats:
         self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
         self.routing = "stripe"
         self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
+        self.health: list[Health] = [Health() for _ in replicas]  # replaced by the reader's
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -57,7 +59,9 @@ class Stats:
     def line(self) -> str:
         """`MIRROR: primary 12.31 GB (4567 reads) | mirror 4.10 GB (1522 reads) | fallbacks 0`"""
         parts = [
-            f"{name} {self.bytes_served[i] / 1e9:.2f} GB ({self.reads[i]} reads)"
+            f"{name} {self.bytes_served[i] / 1e9:.2f} GB ({self.reads[i]} reads"
+            + ("" if self.health[i].up else ", DOWN")
+            + ")"
             for i, name in enumerate(self._names())
         ]
         return "MIRROR: " + " | ".join(parts) + f" | fallbacks {self.fallbacks}\n"
@@ -88,6 +92,7 @@ class Stats:
                     "in_flight": in_flight[i],
                     "read_errors": self.read_errors[i],
                     "last_error": self.last_error[i],
+                    **({"health": self.health[i].as_dict()} if i else {}),
                 }
                 for i, (r, name) in enumerate(zip(self.replicas, self._names(), strict=True))
             ],

@@ -10,6 +10,7 @@ calls (on several drives) over at once and wakes the caller once, when the last 
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import threading
 import time
@@ -23,16 +24,16 @@ Call = tuple["DriveWorkers", Callable[..., Any], tuple[Any, ...]]
 _Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[outcome.Outcome], None]]
 
 
-def _abort_failed(_: object) -> trio.lowlevel.Abort:
-    # A read already handed to a thread cannot be taken back: cancellation waits for its result.
-    return trio.lowlevel.Abort.FAILED
-
-
 class DriveWorkers:
-    """`threads` long-lived threads serving one drive's queue."""
+    """`threads` long-lived threads serving one drive's queue.
 
-    def __init__(self, name: str, threads: int) -> None:
+    `timeout`: seconds after which `gather` gives up waiting for a call (a mirror; the caller
+    then reads the primary); None waits for ever (the primary: there is nowhere else to go).
+    """
+
+    def __init__(self, name: str, threads: int, timeout: float | None = None) -> None:
         self.name = name
+        self.timeout = timeout
         self.busy = 0  # jobs queued or running: reads in flight on this drive
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
@@ -53,9 +54,16 @@ class DriveWorkers:
         self.busy += 1
         self._queue.put((fn, args, deliver))
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run fn(*args) on one of this drive's threads and return (or raise) its result."""
-        (result,) = await gather([(self, fn, args)])
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, on_late: Callable[[outcome.Outcome], None] | None = None
+    ) -> Any:
+        """Run fn(*args) on one of this drive's threads and return (or raise) its result.
+
+        Raises TimedOut after the drive's timeout; `on_late` then gets the outcome when it comes.
+        """
+        (result,) = await gather([(self, fn, args)], None if on_late is None else lambda _, o: on_late(o))
+        if result is None:
+            raise TimedOut(f"no answer from {self.name} within {self.timeout:g} s")
         return result.unwrap()
 
     def close(self, timeout: float = 5.0) -> None:
@@ -71,20 +79,51 @@ class DriveWorkers:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-async def gather(calls: Sequence[Call]) -> list[outcome.Outcome]:
-    """Run every call on its drive's threads, concurrently; their outcomes, in order."""
+class TimedOut(Exception):
+    """A drive did not answer within its timeout."""
+
+
+async def gather(
+    calls: Sequence[Call], on_late: Callable[[int, outcome.Outcome], None] | None = None
+) -> list[outcome.Outcome | None]:
+    """Run every call on its drive's threads, concurrently; their outcomes, in order.
+
+    Calls on drives with a `timeout` are given up once it has passed: their outcome is None, and
+    `on_late(i, outcome)` gets it when it comes (e.g. to close an fd opened too late). Calls on
+    drives without one (the primary) are always waited for. A thread cannot be interrupted: a
+    given-up call keeps writing into its arguments, so the caller must not reuse them.
+    """
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
-    results: list[outcome.Outcome] = [outcome.Value(None)] * len(calls)
+    results: list[outcome.Outcome | None] = [None] * len(calls)
     left = len(calls)
+    patient = sum(1 for w, _, _ in calls if w.timeout is None)  # left that cannot be given up
+    timeouts = [w.timeout for w, _, _ in calls if w.timeout is not None]
+    deadline = trio.current_time() + min(timeouts) if timeouts else math.inf
+    waiting = True
 
     def done(i: int, workers: DriveWorkers, result: outcome.Outcome) -> None:  # on the trio thread
-        nonlocal left
-        results[i] = result
+        nonlocal left, patient, waiting
         workers.busy -= 1
+        if not waiting:  # given up on: the caller has moved on
+            if on_late is not None:
+                on_late(i, result)
+            return
+        results[i] = result
         left -= 1
-        if left == 0:
+        patient -= workers.timeout is None
+        if waiting and (left == 0 or (patient == 0 and trio.current_time() >= deadline)):
+            waiting = False
             trio.lowlevel.reschedule(task)
+
+    def abort(_: object) -> trio.lowlevel.Abort:
+        # Only the deadline may end the wait early, and only once nothing patient is left; any
+        # other cancellation (shutdown) waits for the reads, which write into the caller's buffers.
+        nonlocal waiting
+        if trio.current_time() < deadline or patient > 0:
+            return trio.lowlevel.Abort.FAILED
+        waiting = False
+        return trio.lowlevel.Abort.SUCCEEDED
 
     for i, (workers, fn, args) in enumerate(calls):
 
@@ -94,5 +133,9 @@ async def gather(calls: Sequence[Call]) -> list[outcome.Outcome]:
                 token.run_sync_soon(done, i, workers, result)
 
         workers.submit(fn, args, deliver)
-    await trio.lowlevel.wait_task_rescheduled(_abort_failed)
+    if deadline == math.inf:
+        await trio.lowlevel.wait_task_rescheduled(abort)
+    else:
+        with trio.move_on_at(deadline):
+            await trio.lowlevel.wait_task_rescheduled(abort)
     return results

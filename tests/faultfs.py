@@ -3,7 +3,8 @@
     python tests/faultfs.py SOURCE MOUNTPOINT CONTROL
 
 Serves the files of the flat directory SOURCE read-only. Every read looks at the CONTROL file:
-`ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them. Files are
+`ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them, `hang` holds
+the read until the mode changes (then answers it as the new mode says). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
 at once. Test tool only: it reads CONTROL on the loop thread.
 """
@@ -66,6 +67,9 @@ class FaultFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         mode = self._mode()
+        while mode == "hang":
+            await trio.sleep(0.05)
+            mode = self._mode()
         if mode == "eio":
             raise pyfuse3.FUSEError(errno.EIO)
         data = os.pread(fh, size, off)

@@ -44,9 +44,9 @@ def faulty_mirror(source: Path, mnt: Path, control: Path) -> Iterator[subprocess
 
 
 @contextmanager
-def colifs_on(primary: Path, mirror: Path, mnt: Path) -> Iterator[Path]:
+def colifs_on(primary: Path, mirror: Path, mnt: Path, *extra: str) -> Iterator[Path]:
     mnt.mkdir()
-    out = run_colifs("mount", str(primary), str(mirror), str(mnt), "--weights", "1,1")
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt), "--weights", "1,1", *extra)
     assert out.returncode == 0, out.stderr
     try:
         yield mnt
@@ -57,6 +57,15 @@ def colifs_on(primary: Path, mirror: Path, mnt: Path) -> Iterator[Path]:
 
 def stats(mnt: Path) -> dict:
     return json.loads((mnt / ".colifs" / "stats.json").read_text())
+
+
+def wait_until_up(mnt: Path, within: float = 35.0) -> float:
+    """Seconds until the mirror is back in use (check reads run after a back-off of at most 30 s)."""
+    t0 = time.monotonic()
+    while stats(mnt)["replicas"][1]["health"]["state"] != "up":
+        assert time.monotonic() - t0 < within, stats(mnt)["replicas"][1]["health"]
+        time.sleep(0.1)
+    return time.monotonic() - t0
 
 
 def read_all(mnt: Path, primary: Path) -> None:
@@ -89,17 +98,57 @@ def test_a_mirror_that_starts_failing_mid_run(tmp_path: Path) -> None:
             assert after["fallbacks"] > before["fallbacks"]
             assert after["replicas"][1]["bytes_served"] == before["replicas"][1]["bytes_served"]
             assert after["replicas"][1]["read_errors"] > before["replicas"][1]["read_errors"]
-            if fault == "eio":
-                assert word in after["replicas"][1]["last_error"]
-                warned = [w for w in after["recent_warnings"] if "reading from the primary instead" in w]
-                names = [p.name for p in primary.glob("*.safetensors")]
-                assert sorted(n for n in names for w in warned if f" {n}: mirror" in w) == sorted(
-                    names
-                )  # one each
-        control.write_text("ok")
-        before = stats(mnt)
+            assert word in after["replicas"][1]["last_error"]
+            warned = [w for w in after["recent_warnings"] if "reading from the primary instead" in w]
+            names = [p.name for p in primary.glob("*.safetensors")]
+            per_file = [n for n in names for w in warned if f" {n}: mirror" in w]
+            assert per_file and len(per_file) == len(set(per_file))  # at most one each
+            # failures in a row took it out of the routing: its reads go to the primary
+            health = after["replicas"][1]["health"]
+            assert health["state"] == "down" and word in health["last_error"]
+            assert sum("failures in a row" in w for w in after["recent_warnings"]) == health["times_down"]
+            read_all(mnt, primary)
+            again = stats(mnt)["replicas"][1]["health"]
+            assert again["errors"] <= health["errors"] + again["checks"]  # only check reads touched it
+            control.write_text("ok")
+            back_after = wait_until_up(mnt)
+            before = stats(mnt)
+            read_all(mnt, primary)
+            after = stats(mnt)
+            assert after["replicas"][1]["bytes_served"] > before["replicas"][1]["bytes_served"]  # used again
+            assert after["fallbacks"] == before["fallbacks"]
+            assert any("check read passed" in w for w in after["recent_warnings"])
+            print(f"\n{fault}: mirror back in use {back_after:.1f} s after it healed")
+
+
+def test_a_hung_mirror_read_is_reissued_on_the_primary(tmp_path: Path) -> None:
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--mirror-timeout", "0.5") as mnt,
+    ):
         read_all(mnt, primary)
-        assert stats(mnt)["replicas"][1]["bytes_served"] > before["replicas"][1]["bytes_served"]  # used again
+        control.write_text("hang")
+        t0 = time.monotonic()
+        read_all(mnt, primary)  # the first reads wait 0.5 s for the mirror, then the primary answers
+        hung = time.monotonic() - t0
+        health = stats(mnt)["replicas"][1]["health"]
+        assert health["state"] == "down" and health["timeouts"] >= 3
+        assert "no answer within 0.5 s" in health["last_error"]
+        t0 = time.monotonic()
+        read_all(mnt, primary)  # down: nothing waits for it any more
+        down = time.monotonic() - t0
+        assert stats(mnt)["replicas"][1]["health"]["timeouts"] <= health["timeouts"] + 1  # a check, maybe
+        control.write_text("ok")  # the hung reads land; the mirror passes a check and is back
+        back_after = wait_until_up(mnt)
+        before = stats(mnt)["replicas"][1]["bytes_served"]
+        read_all(mnt, primary)
+        assert stats(mnt)["replicas"][1]["bytes_served"] > before
+        print(
+            f"\nhung mirror: read_all {hung:.2f} s while timing out, {down:.2f} s once down; "
+            f"back {back_after:.1f} s after it healed"
+        )
 
 
 def test_a_mirror_that_vanishes_while_files_are_open(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import shutil
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import trio
 
 from colifs.fakeio import FaultyIO
 from colifs.fs import ColiFS
+from colifs.health import FAILURES_TO_DOWN
 from colifs.mount import build_files
 from colifs.reader import OpenFile, Reader
 from colifs.replicas import Replica
@@ -31,7 +33,8 @@ def make_ops(primary: Path, mirror: Path, weights: list[float]) -> tuple[ColiFS,
     stats = Stats(replicas, "test", "/nowhere")
     io = FaultyIO()
     workers = [DriveWorkers(f"d{r.index}", 2) for r in replicas]
-    return ColiFS(tree, files, Reader(replicas, workers, io, stats), stats), io
+    reader = Reader(replicas, workers, io, stats, files=list(files.values()))
+    return ColiFS(tree, files, reader, stats), io
 
 
 def run(ops: ColiFS, fn: Callable) -> object:
@@ -69,20 +72,113 @@ def test_random_reads_are_exact_and_use_both_drives(model) -> None:
 
 
 @pytest.mark.parametrize("fault", ["eio", "short", "open"])
-def test_failing_mirror_falls_back_to_primary_with_one_warning_per_file(model, fault, caplog) -> None:
+def test_failing_mirror_falls_back_then_leaves_the_routing(model, fault, caplog) -> None:
     primary, mirror, _ = model
     ops, io = make_ops(primary, mirror, [1, 3])
     io.fail(str(mirror), fault)
     with caplog.at_level(logging.WARNING, logger="colifs"):
         run(ops, lambda: read_ranges(ops, primary, 100))
-    warnings = [r.getMessage() for r in caplog.records if "mirror" in r.getMessage()]
-    assert len(warnings) == len(shard_inodes(ops))  # one per file, not one per read
-    assert all("reading from the primary instead" in w for w in warnings)
+    messages = [r.getMessage() for r in caplog.records]
+    per_file = [m for m in messages if "reading from the primary instead" in m]
+    down = [m for m in messages if "failures in a row" in m]
+    assert len(down) == 1  # taken out once (nothing checks it again without a mount)
+    assert 1 <= len(per_file) <= len(shard_inodes(ops))
+    assert len({m.split(":")[0] for m in per_file}) == len(per_file)  # at most one per file
+    assert len(per_file) + len(down) == len(messages)
     assert ops.stats.bytes_served[1] == 0
+    health = ops.reader.health[1]
+    assert not health.up and health.in_a_row >= FAILURES_TO_DOWN
     if fault == "open":
         assert ops.stats.fallbacks == 0  # never routed there at all
     else:
-        assert ops.stats.fallbacks > 50 and ops.stats.read_errors[1] == ops.stats.fallbacks
+        # after FAILURES_TO_DOWN failures no read goes there: 300 reads, a handful of fallbacks
+        assert FAILURES_TO_DOWN <= ops.stats.fallbacks < 10
+        assert ops.stats.read_errors[1] == ops.stats.fallbacks == health.errors
+
+
+def test_down_mirror_comes_back_after_a_check_read_passes(model) -> None:
+    primary, mirror, _ = model
+    ops, io = make_ops(primary, mirror, [1, 1])
+    reader = ops.reader
+    io.fail(str(mirror), "eio")
+
+    async def go() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader.watch)
+            await read_ranges(ops, primary, 20)
+            assert not reader.health[1].up
+            before = io.reads[str(mirror)]
+            await trio.sleep(1.5)  # the first check (after 1 s) fails: back-off 2 s
+            assert reader.health[1].checks == 1 and not reader.health[1].up
+            assert io.reads[str(mirror)] == before + 1  # only the check read went there
+            io.fail(str(mirror), None)
+            with trio.fail_after(4):
+                while not reader.health[1].up:
+                    await trio.sleep(0.05)
+            served = ops.stats.bytes_served[1]
+            await read_ranges(ops, primary, 20, seed=2)
+            assert ops.stats.bytes_served[1] > served  # routed there again
+            nursery.cancel_scope.cancel()
+
+    run(ops, go)
+    d = ops.stats.as_dict(list(ops.files.values()))["replicas"][1]["health"]
+    assert d["state"] == "up" and d["times_down"] == 1 and d["checks"] == 2 and d["errors"] >= 4
+
+
+def test_hung_mirror_read_is_reissued_on_the_primary_and_its_buffer_never_reused(model) -> None:
+    """A hung read that finally lands writes 0xEE into the buffer it was given: never seen."""
+    primary, mirror, _ = model
+    replicas = [Replica(0, str(primary), 1), Replica(1, str(mirror), 1)]
+    tree = Tree(str(primary))
+    stats = Stats(replicas, "test", "/nowhere")
+    io = FaultyIO()
+    workers = [DriveWorkers("d0", 2), DriveWorkers("d1", 4, timeout=0.2)]
+    ops = ColiFS(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
+    io.fail(str(mirror), "hang")
+
+    async def go() -> None:
+        t0 = trio.current_time()
+        await read_ranges(ops, primary, 10)  # each read touching the mirror waits 0.2 s, then the primary
+        assert trio.current_time() - t0 < 10
+        assert not ops.reader.health[1].up
+        assert ops.reader.health[1].timeouts >= FAILURES_TO_DOWN
+        io.fail(str(mirror), None)  # the hung reads land now, writing 0xEE into their old buffers
+        await read_ranges(ops, primary, 100, seed=3)  # compared byte by byte
+
+    run(ops, go)
+    assert stats.fallbacks >= FAILURES_TO_DOWN and stats.bytes_served[1] == 0
+
+
+def test_hung_mirror_open_times_out_and_its_late_descriptor_is_closed(model) -> None:
+    primary, mirror, _ = model
+    replicas = [Replica(0, str(primary), 1), Replica(1, str(mirror), 1)]
+    tree = Tree(str(primary))
+    stats = Stats(replicas, "test", "/nowhere")
+    release = threading.Event()
+
+    class SlowOpen(FaultyIO):
+        def open(self, path: str) -> int:
+            if path.startswith(str(mirror)):
+                release.wait()
+            return super().open(path)
+
+    io = SlowOpen()
+    workers = [DriveWorkers("d0", 2), DriveWorkers("d1", 4, timeout=0.2)]
+    ops = ColiFS(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
+    ino = next(iter(shard_inodes(ops)))
+
+    async def go() -> None:
+        fi = await ops.open(ino, os.O_RDONLY, None)
+        of = ops._handles[fi.fh]
+        assert of.fds[1] is None and of.weights[1] == 0
+        fds_before = set(os.listdir("/proc/self/fd"))
+        release.set()
+        await trio.sleep(0.3)  # the late open lands and is closed
+        assert set(os.listdir("/proc/self/fd")) <= fds_before
+        await ops.release(fi.fh)
+
+    run(ops, go)
+    assert ops.reader.health[1].timeouts == 1
 
 
 def test_primary_error_is_eio_and_the_mount_keeps_serving(model) -> None:
@@ -164,7 +260,7 @@ def test_stripe_plan_spreads_big_keys_by_chunk_and_keeps_small_keys_whole(tmp_pa
         ops, _ = make_ops(primary, mirror, [3, 1])
         ops.reader.striping = True
         f = next(f for f in ops.files.values() if f.is_model)
-        of = OpenFile(f, [0, 1], [3.0, 1.0])
+        of = OpenFile(f, [0, 1], [3.0, 1.0], 1, set())
         lay = f.layout
         ends = [*lay.starts[1:], lay.size]
         plans.append([ops.reader.plan(of, s, e) for s, e in zip(lay.starts, ends, strict=True)])
@@ -196,7 +292,7 @@ def test_stripe_plan_never_uses_a_drive_without_a_valid_copy(tmp_path: Path) -> 
     ops.reader.striping = True
     f = next(f for f in ops.files.values() if f.is_model)
     assert f.replicas == (0,)
-    of = OpenFile(f, [0, None], [1.0, 0.0])
+    of = OpenFile(f, [0, None], [1.0, 0.0], 1, set())
     assert ops.reader.plan(of, 0, f.size) == [(0, f.size, 0)]
     for w in ops.reader.workers:
         w.close()
