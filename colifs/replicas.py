@@ -97,8 +97,10 @@ def validate(path: str, relpath: str, replicas: list[Replica], fmt: Format) -> S
     try:
         size, header, layout = fmt.read(path)
     except (LayoutError, OSError) as e:
-        reason = e.strerror if isinstance(e, OSError) else str(e)
-        note = f"malformed header: {reason}; served from the primary as plain bytes"
+        problem = (
+            f"cannot read its header ({e.strerror})" if isinstance(e, OSError) else f"malformed header: {e}"
+        )
+        note = f"{problem}; served from the primary as plain bytes"
         log.warning("%s: %s", relpath, note)
         return ServedFile(relpath, _size_or_zero(path), note=note)
     valid = [0]

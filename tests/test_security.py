@@ -1,0 +1,180 @@
+"""Who may use the mount, and a daemon that cannot read a file (issue 5, part 5).
+
+The daemon runs as root here; "another user" is `nobody` (setpriv), and a daemon "without root's
+powers" is root with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped: it then meets file modes as
+a plain user does, and can still mount.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from colifs.synth import write_checkpoint
+from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
+)
+
+NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+NO_DAC = [
+    "setpriv",
+    "--inh-caps=-dac_override,-dac_read_search",
+    "--bounding-set=-dac_override,-dac_read_search",
+]
+
+
+@pytest.fixture
+def open_dir() -> Iterator[Path]:
+    """A directory other users can reach (pytest's tmp_path is under a 0700 directory)."""
+    d = Path(tempfile.mkdtemp(prefix="colifs-sec-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        force_unmount(d / "mnt")
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def as_nobody(*cmd: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*NOBODY, *cmd], capture_output=True, timeout=30)
+
+
+def model_in(base: Path) -> tuple[Path, Path]:
+    primary, mirror = base / "p", base / "m"
+    write_checkpoint(str(primary), "deepseek", layers=1, experts=8, hidden=128, inter=64, shards=2)
+    for p in primary.iterdir():
+        p.chmod(0o644)  # (safetensors writes 0600)
+    (primary / "private.json").write_text("{}")
+    (primary / "private.json").chmod(0o600)
+    shutil.copytree(primary, mirror)
+    return primary, mirror
+
+
+def test_only_the_mounting_user_unless_allow_other(open_dir: Path) -> None:
+    primary, mirror = model_in(open_dir)
+    shard = sorted(primary.glob("*.safetensors"))[0]
+    with mounted(primary, [mirror], open_dir / "mnt", "--weights", "1,1") as m:
+        out = as_nobody("cat", str(m.path / shard.name))
+        assert out.returncode != 0 and b"Permission denied" in out.stderr
+        assert as_nobody("ls", str(m.path)).returncode != 0
+    with mounted(primary, [mirror], open_dir / "mnt", "--weights", "1,1", "--allow-other") as m:
+        out = as_nobody("cat", str(m.path / shard.name))
+        assert out.returncode == 0 and out.stdout == shard.read_bytes()
+        # default_permissions: the kernel checks the primary's modes for other users
+        out = as_nobody("cat", str(m.path / "private.json"))
+        assert out.returncode != 0 and b"Permission denied" in out.stderr
+        out = as_nobody("sh", "-c", f"echo x >> '{m.path / shard.name}'")
+        assert out.returncode != 0
+        assert (m.path / "private.json").read_text() == "{}"  # the owner (root) still reads it
+        assert m.stats()["replicas"][1]["bytes_served"] > 0
+
+
+def test_a_file_the_daemon_cannot_read(tmp_path: Path) -> None:
+    """Mode 000 met by a daemon without root's DAC override: one warning, EACCES, the rest routed."""
+    primary, mirror = model_in(tmp_path)
+    (primary / "locked.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    (primary / "locked.safetensors").chmod(0)
+    (primary / "locked.txt").write_text("secret")
+    (primary / "locked.txt").chmod(0)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(
+        [*NO_DAC, *COLIFS, "mount", str(primary), str(mirror), str(mnt), "--weights", "1,1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    try:
+        assert done.returncode == 0, done.stderr
+        warned = [x for x in done.stderr.splitlines() if "locked" in x]
+        assert warned == [
+            "colifs: warning: locked.safetensors: cannot read its header (Permission denied); "
+            "served from the primary as plain bytes"
+        ]
+        assert (mnt / "locked.safetensors").stat().st_mode & 0o777 == 0  # listed as it is
+        for name in ("locked.safetensors", "locked.txt"):
+            with pytest.raises(PermissionError):
+                (mnt / name).read_bytes()  # the daemon's EACCES, passed on
+        for p in sorted(primary.glob("model-*.safetensors")):
+            assert (mnt / p.name).read_bytes() == p.read_bytes()
+        st = run_colifs("stats", str(mnt), "--json")
+        assert st.returncode == 0 and '"bytes_served": 0' not in st.stdout  # both drives served
+    finally:
+        if is_mounted(mnt):
+            assert run_colifs("umount", str(mnt)).returncode == 0
+        force_unmount(mnt)
+
+
+def test_the_daemon_opens_nothing_for_writing(model) -> None:
+    """Every descriptor the daemon holds on a replica is read-only, while files are open."""
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        pid = m.stats()["pid"]
+        held = [open(p, "rb") for p in sorted(mnt.glob("*.safetensors"))]  # noqa: SIM115
+        try:
+            for f in held:
+                f.read(1 << 20)
+            seen = 0
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith((str(primary), str(mirror))):
+                    flags = int(Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+                    assert flags & os.O_ACCMODE == os.O_RDONLY, target
+                    seen += 1
+            assert seen >= len(held)  # the primary's copies at least (mirrors too, when routed there)
+        finally:
+            for f in held:
+                f.close()
+
+
+def test_names_never_leave_the_primary(tmp_path: Path) -> None:
+    """Symlinks (to a directory outside, upwards) are shown as links, never walked by the daemon;
+    `..` or a path with a slash is not a name the daemon resolves."""
+    import errno
+
+    import pyfuse3
+    import trio
+
+    from colifs.fakeio import FaultyIO
+    from colifs.fs import ColiFS
+    from colifs.mount import build_files
+    from colifs.reader import Reader
+    from colifs.replicas import Replica
+    from colifs.stats import Stats
+    from colifs.tree import ROOT_INO, Tree
+    from colifs.workers import DriveWorkers
+
+    primary = tmp_path / "p"
+    primary.mkdir()
+    (primary / "a.txt").write_text("a")
+    (primary / "etc").symlink_to("/etc")
+    (primary / "up").symlink_to("..")
+    (tmp_path / "outside.txt").write_text("outside")
+    tree = Tree(str(primary))
+    assert sorted(n.relpath for n in tree.nodes.values()) == ["", "a.txt", "etc", "up"]
+    replicas = [Replica(0, str(primary), 1.0)]
+    stats = Stats(replicas, "test", "/nowhere")
+    workers = [DriveWorkers("d0", 1)]
+    reader = Reader(replicas, workers, FaultyIO(), stats)
+    ops = ColiFS(tree, build_files(tree, replicas), reader, stats)
+
+    async def go() -> None:
+        for name in (b"..", b".", b"../outside.txt", b"up/outside.txt", b"etc/passwd", b"/etc"):
+            with pytest.raises(pyfuse3.FUSEError) as e:
+                await ops.lookup(ROOT_INO, name, None)
+            assert e.value.errno == errno.ENOENT, name
+        link = await ops.lookup(ROOT_INO, b"etc", None)
+        assert await ops.readlink(link.st_ino, None) == b"/etc"
+
+    try:
+        trio.run(go)
+    finally:
+        workers[0].close()
