@@ -10,8 +10,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -178,3 +180,64 @@ def test_names_never_leave_the_primary(tmp_path: Path) -> None:
         trio.run(go)
     finally:
         workers[0].close()
+
+
+@contextmanager
+def fuse_open_to_all() -> Iterator[None]:
+    """This container's /dev/fuse is 0600 (distributions ship 0666): opened up for the test only."""
+    before = os.stat("/dev/fuse").st_mode & 0o777
+    os.chmod("/dev/fuse", before | 0o666)
+    try:
+        yield
+    finally:
+        os.chmod("/dev/fuse", before)
+
+
+def nobody_python() -> list[str]:
+    """An interpreter `nobody` can run, with colifs and the venv's packages on its path."""
+    site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+    python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
+    if not os.access(python, os.X_OK):
+        pytest.skip(f"no {python} for another user (the venv's interpreter may sit in a private home)")
+    root = str(Path(__file__).parents[1])
+    return ["env", f"PYTHONPATH={root}:{site}", "HOME=/tmp", python, "-m", "colifs"]
+
+
+def test_a_non_root_user_mounts_and_meets_modes(open_dir: Path) -> None:
+    primary = open_dir / "p"
+    write_checkpoint(str(primary), "deepseek", layers=1, experts=8, hidden=128, inter=64, shards=1)
+    (primary / "locked.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    (primary / "locked.safetensors").chmod(0)
+    for p in [primary, *primary.iterdir()]:
+        os.chown(p, 65534, 65534)
+    mnt = open_dir / "mnt"
+    mnt.mkdir()
+    os.chown(mnt, 65534, 65534)
+    colifs = [*NOBODY, *nobody_python()]
+    shard = next(primary.glob("model-*.safetensors"))
+    with fuse_open_to_all():
+        out = subprocess.run(
+            [*colifs, "mount", str(primary), str(mnt), "--allow-other"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        conf = Path("/etc/fuse.conf")
+        if not conf.exists() or "\nuser_allow_other" not in "\n" + conf.read_text():
+            assert out.returncode == 32 and "user_allow_other" in out.stderr and not is_mounted(mnt)
+        out = subprocess.run(
+            [*colifs, "mount", str(primary), str(mnt)], capture_output=True, text=True, timeout=60
+        )
+        try:
+            assert out.returncode == 0, out.stderr
+            assert "locked.safetensors: cannot read its header (Permission denied)" in out.stderr
+            got = as_nobody("cat", str(mnt / shard.name))
+            assert got.returncode == 0 and got.stdout == shard.read_bytes()
+            got = as_nobody("cat", str(mnt / "locked.safetensors"))
+            assert got.returncode != 0 and b"Permission denied" in got.stderr
+            with pytest.raises(PermissionError):
+                (mnt / shard.name).read_bytes()  # root is "another user" of nobody's mount
+        finally:
+            done = subprocess.run([*colifs, "umount", str(mnt)], capture_output=True, text=True, timeout=60)
+            force_unmount(mnt)
+        assert done.returncode == 0, done.stderr
