@@ -94,6 +94,20 @@ def _parser() -> argparse.ArgumentParser:
         help="a mirror read not answered within S seconds is re-read from the primary; "
         "repeated failures take the mirror out of use until a check read passes (default: 5, 0 = never)",
     )
+    m.add_argument(
+        "--usage-file",
+        metavar="PATH",
+        help="where to keep what the mount served per expert and file, merged over runs, for "
+        "`colifs plan` and partial-mirror routing (default: PRIMARY/.colifs-usage.json; never on a mirror)",
+    )
+    m.add_argument("--no-usage", action="store_true", help="do not count or save usage")
+    m.add_argument(
+        "--usage-interval",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="save the usage every S seconds (default: 60) and at unmount",
+    )
     m.add_argument("--log-file", metavar="PATH", help="also log to PATH (the daemon's only log once ready)")
     m.add_argument("-d", "--debug", action="store_true", help="debug logging")
 
@@ -146,6 +160,63 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.set_defaults(mode="odirect")
 
+    def planning(q: argparse.ArgumentParser) -> None:
+        q.add_argument("primary", metavar="PRIMARY")
+        q.add_argument("mirror", metavar="MIRROR")
+        q.add_argument(
+            "--budget", required=True, metavar="SIZE", help="space to use on MIRROR (200G, 1.5T, bytes)"
+        )
+        q.add_argument(
+            "--reserve",
+            default="0",
+            metavar="SIZE",
+            help="free space to leave on MIRROR at all times (default: 0)",
+        )
+        q.add_argument(
+            "--usage",
+            metavar="FILE",
+            help="usage history: a colifs usage file or Colibrì's .coli_usage (default: PRIMARY/"
+            ".colifs-usage.json, else PRIMARY/.coli_usage; without one every byte counts the same)",
+        )
+
+    pl = sub.add_parser(
+        "plan",
+        help="choose the shards worth putting on a smaller mirror",
+        description="Choose the shards of PRIMARY to put on MIRROR so that the traffic they cover (from "
+        "the usage history) per byte of space is highest, within --budget and MIRROR's free space minus "
+        "--reserve. Shards already valid on MIRROR cost nothing. Prints the table and the predicted "
+        "speed-up. Sizes: K, M, G, T are powers of 1024 (KB, MB, GB, TB of 1000).",
+    )
+    planning(pl)
+    pl.add_argument(
+        "--weights", metavar="W0,W1", help="drive speeds for the prediction (default: probed, or equal)"
+    )
+    pl.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    st = sub.add_parser(
+        "stage",
+        help="copy the planned shards onto the mirror, safely",
+        description="Copy the shards `colifs plan` selects onto MIRROR: each to a temporary name, "
+        "fsynced, read back and compared (SHA-256) with the primary, then given its final name. "
+        "Never touches PRIMARY, never replaces a file on MIRROR, keeps --reserve free, writes "
+        "MIRROR/.colifs-receipt.json once all are in place. A re-run resumes.",
+    )
+    planning(st)
+    st.add_argument("-q", "--quiet", action="store_true", help="no progress, only the summary")
+
+    ve = sub.add_parser(
+        "verify",
+        help="check the mirror's copies against the primary",
+        description="Check every mirror copy of PRIMARY's model files: size and header (what the mount "
+        "checks), and with --deep the SHA-256 of all data, both drives read in parallel. Exit 4 when a "
+        "copy the mount would use has other data.",
+    )
+    ve.add_argument("primary", metavar="PRIMARY")
+    ve.add_argument("mirror", metavar="MIRROR")
+    ve.add_argument("--deep", action="store_true", help="compare the data too (reads both copies in full)")
+    ve.add_argument("-q", "--quiet", action="store_true", help="no progress")
+    ve.add_argument("--json", action="store_true", help="print the rows as JSON")
+
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
@@ -165,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "probe": cmd_probe,
             "bench": cmd_bench,
             "stats": cmd_stats,
+            "plan": cmd_plan,
+            "stage": cmd_stage,
+            "verify": cmd_verify,
         }
         return commands[args.command](args)
     except QuietError as e:
@@ -201,6 +275,8 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         source = "probed"
     if args.threads_per_drive < 1:
         raise UsageError("--threads-per-drive must be at least 1")
+    if not args.usage_interval > 0:
+        raise UsageError("--usage-interval must be a positive number of seconds")
     if not args.mirror_timeout >= 0:
         raise UsageError("--mirror-timeout must be 0 or more seconds")
     knobs = Knobs(
@@ -222,6 +298,9 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         knobs=knobs,
         allow_other=args.allow_other,
         mirror_timeout=args.mirror_timeout or None,
+        usage=not args.no_usage,
+        usage_file=args.usage_file,
+        usage_interval=args.usage_interval,
     )
 
 
@@ -390,6 +469,155 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(json.dumps(result) if args.json else bench.report(result))
+    return 0
+
+
+# -- plan, stage, verify --------------------------------------------------------------------------
+
+
+def _plan(args: argparse.Namespace) -> tuple[list, list, str, str, int]:
+    """(replicas, choices, where the usage came from, mirror root, reserve) for plan and stage."""
+    from colifs.mount import check_roots
+    from colifs.plan import choose, estimate, find_usage, parse_size, survey
+
+    replicas = check_roots([args.primary, args.mirror], error=UsageError)
+    primary, mirror = replicas[0].root, replicas[1].root
+    budget, reserve = parse_size(args.budget), parse_size(args.reserve)
+    shards = survey(primary, mirror)
+    if not shards:
+        raise UsageError(f"{args.primary} holds no model file (*.safetensors, *.gguf)")
+    usage, source = find_usage(primary, args.usage, shards)
+    estimate(shards, usage)
+    st = os.statvfs(mirror)
+    free = st.f_bavail * st.f_frsize
+    space = max(0, min(budget, free - reserve))
+    return replicas, choose(shards, space), source, mirror, reserve
+
+
+def _prediction_weights(args: argparse.Namespace, replicas: list, choices: list) -> tuple[list[float], str]:
+    from colifs.probe import probe, weights_from
+    from colifs.replicas import ServedFile
+    from colifs.routing import parse_weights
+
+    text = args.weights or os.environ.get(WEIGHTS_ENV)
+    if text:
+        try:
+            return parse_weights(text, 2), "given"
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    files = [
+        ServedFile(c.shard.relpath, c.shard.size, c.shard.layout, (0, 1) if c.shard.present else (0,))
+        for c in choices
+        if c.shard.layout is not None
+    ]
+    if any(f.replicas == (0, 1) for f in files):
+        results = probe(replicas, files, 2.0)
+        if all(r.mb_per_s for r in results):
+            return weights_from(results), "probed"
+    return [1.0, 1.0], "assumed equal: nothing on the mirror to probe yet; pass --weights"
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from colifs.plan import coverage, human, speedup
+
+    replicas, choices, source, mirror, _ = _plan(args)
+    weights, wsource = _prediction_weights(args, replicas, choices)
+    total = sum(c.shard.traffic for c in choices) or 1.0
+    cov = coverage(choices)
+    rows, space, cum = [], 0, 0.0
+    for c in choices:
+        if c.selected:
+            space += c.shard.size
+            cum += c.shard.traffic
+        rows.append(
+            {
+                "shard": c.shard.relpath,
+                "size": c.shard.size,
+                "traffic_share": c.shard.traffic / total,
+                "action": c.reason,
+                "selected": c.selected,
+                "cumulative_space": space if c.selected else None,
+                "cumulative_coverage": cum / total if c.selected else None,
+            }
+        )
+    to_copy = sum(c.shard.size for c in choices if c.selected and not c.shard.present)
+    summary = {
+        "usage": source,
+        "weights": weights,
+        "weights_source": wsource,
+        "coverage": cov,
+        "bytes_to_copy": to_copy,
+        "bytes_on_mirror": sum(c.shard.size for c in choices if c.selected and c.shard.present),
+        "predicted_speedup": speedup(cov, weights),
+        "shards": rows,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(f"{source}")
+    width = max(len(r["shard"]) for r in rows)
+    print(f"{'shard':<{width}} {'size':>11} {'traffic':>8} {'cum. space':>11} {'coverage':>8}  action")
+    for r in rows:
+        cs = human(r["cumulative_space"]) if r["selected"] else ""
+        cc = f"{r['cumulative_coverage']:.1%}" if r["selected"] else ""
+        share = f"{r['traffic_share']:.1%}"
+        print(f"{r['shard']:<{width}} {human(r['size']):>11} {share:>8} {cs:>11} {cc:>8}  {r['action']}")
+    print(
+        f"selected {sum(r['selected'] for r in rows)} of {len(rows)} shards: {human(to_copy)} to copy, "
+        f"{human(summary['bytes_on_mirror'])} already on {mirror}; they cover {cov:.1%} of the traffic"
+    )
+    print(
+        f"predicted read speed {summary['predicted_speedup']:.2f}x the primary alone "
+        f"(weights {':'.join(f'{w:g}' for w in weights)}, {wsource})"
+    )
+    return 0
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
+    from colifs.plan import coverage, human
+    from colifs.stage import stage
+
+    def say(line: str) -> None:
+        print(f"colifs: {line}", file=sys.stderr)
+
+    replicas, choices, source, mirror, reserve = _plan(args)
+    say(source)
+    result = stage(replicas[0].root, mirror, choices, reserve, args.quiet, say)
+    copied = sum(c.shard.size for c in choices if c.shard.relpath in set(result.copied))
+    print(
+        f"staged {len(result.copied)} shard(s) ({human(copied)}), {len(result.kept)} already on {mirror}; "
+        f"they cover {coverage(choices):.1%} of the traffic; receipt written"
+    )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from colifs.mount import check_roots
+    from colifs.plan import human
+    from colifs.stage import EXIT_DIFFERS
+    from colifs.verify import verify
+
+    replicas = check_roots([args.primary, args.mirror], error=UsageError)
+    rows = verify(replicas[0].root, replicas[1].root, args.deep, args.quiet)
+    bad = [r for r in rows if r.status == "data differs"]
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=1))
+    else:
+        width = max([len(r.relpath) for r in rows] + [5])
+        print(f"{'shard':<{width}} {'size':>11}  status")
+        for r in rows:
+            print(f"{r.relpath:<{width}} {human(r.size):>11}  {r.status}")
+        counts: dict[str, int] = {}
+        for r in rows:
+            counts[r.status] = counts.get(r.status, 0) + 1
+        checked = "size, header and data" if args.deep else "size and header (--deep compares the data)"
+        print(f"{', '.join(f'{n} {s}' for s, n in sorted(counts.items()))}; checked {checked}")
+    if bad:
+        print(
+            f"colifs: error: {len(bad)} mirror copy(ies) the mount would use differ from the primary",
+            file=sys.stderr,
+        )
+        return EXIT_DIFFERS
     return 0
 
 

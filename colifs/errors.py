@@ -13,6 +13,11 @@ class QuietError(Exception):
 
     exit_code = 1
 
+    def with_code(self, code: int) -> QuietError:
+        """The same error with a more specific exit code."""
+        self.exit_code = code
+        return self
+
 
 class UsageError(QuietError):
     """Bad arguments or bad input given by the user."""

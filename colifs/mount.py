@@ -26,9 +26,12 @@ from colifs.layout import Key
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
-from colifs.routing import CHUNK, positions, stripe_rotation
+from colifs.routing import CHUNK, partial_mirror_weights, positions, stripe_rotation
 from colifs.stats import KeepWarnings, Stats
 from colifs.tree import Tree
+from colifs.usage import USAGE_NAME, BadUsageFile, Usage, traffic
+from colifs.usage import load as load_usage
+from colifs.usage import save as save_usage
 from colifs.workers import DriveWorkers
 
 log = logging.getLogger("colifs")
@@ -57,6 +60,9 @@ class MountConfig:
     knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
     allow_other: bool = False
     mirror_timeout: float | None = 5.0  # a mirror read unanswered after this is re-read from the primary
+    usage: bool = True  # count what is served per key and file, and save it
+    usage_file: str | None = None  # default: PRIMARY/.colifs-usage.json
+    usage_interval: float = 60.0  # seconds between saves (and one at unmount)
     fuse_options: list[str] = field(default_factory=list)
 
 
@@ -147,6 +153,72 @@ def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
     return files
 
 
+def _usage_path(cfg: MountConfig, replicas: list[Replica]) -> str:
+    """Where usage is saved: never on a mirror."""
+    path = os.path.abspath(cfg.usage_file or os.path.join(replicas[0].root, USAGE_NAME))
+    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    for r in replicas[1:]:
+        if _same_or_inside(real, r.root):
+            raise MountError(f"usage file {path} is inside mirror {r.root}: colifs never writes to a mirror")
+    if not os.path.isdir(os.path.dirname(real)):
+        raise MountError(f"usage file {path}: directory {os.path.dirname(path)} does not exist")
+    return real
+
+
+def _hide_usage(usage_path: str | None, root: str) -> Callable[[str], bool]:
+    """The usage file changes while mounted: kept out of the (snapshot) tree, with its temporaries."""
+    if usage_path is None or not _same_or_inside(usage_path, root):
+        return lambda _: False
+    rel = os.path.relpath(usage_path, root)
+    return lambda relpath: relpath == rel or relpath.startswith(rel + ".tmp.")
+
+
+def _partial_routing(
+    files: dict[int, ServedFile], weights: list[float], history: Usage
+) -> tuple[list[float], dict | None]:
+    """Weights for the files a partial mirror holds, so that bytes split as the weights say."""
+    layouts = {f.relpath: f.layout for f in files.values() if f.layout is not None}
+    expected = traffic(layouts, history)
+    total = sum(expected.values())
+    held = sum(expected[f.relpath] for f in files.values() if f.layout is not None and 1 in f.replicas)
+    if total <= 0 or held >= total or held <= 0:
+        return weights, None  # a full mirror (plain weights are right) or no known traffic on it
+    coverage = held / total
+    boosted, share = partial_mirror_weights(weights, coverage)
+    return boosted, {
+        "coverage": coverage,
+        "plain_weights": weights,
+        "weights_for_held_files": boosted,
+        "predicted_byte_share": [1 - share, share],
+        "plain_byte_share": [1 - coverage * weights[1] / sum(weights), coverage * weights[1] / sum(weights)],
+    }
+
+
+async def _keep_usage(reader: Reader, interval: float) -> None:
+    while True:
+        await trio.sleep(interval)
+        if reader.usage:
+            # Swapped on the loop's thread (where reads count), written on another.
+            pending, reader.usage = reader.usage, Usage()
+            if not await trio.to_thread.run_sync(_write_usage, reader.stats, pending):
+                reader.usage.add(pending)
+
+
+def _write_usage(stats: Stats, pending: Usage) -> bool:
+    """Add this run's counts to the usage file; False (warned once) when it cannot be written."""
+    path = stats.usage["file"]
+    try:
+        save_usage(path, pending)
+    except (OSError, BadUsageFile) as e:
+        if stats.usage.get("last_error") is None:
+            log.warning("usage file %s: cannot save (%s); kept in memory, tried again later", path, e)
+        stats.usage["last_error"] = str(e)
+        return False
+    stats.usage["last_saved"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    stats.usage["last_error"] = None
+    return True
+
+
 def describe(replicas: list[Replica], source: str, files: dict[int, ServedFile]) -> str:
     models = [f for f in files.values() if f.is_model]
     parts = []
@@ -163,9 +235,17 @@ def serve(
 ) -> None:
     """Build, mount and serve until unmounted or signalled; always leaves nothing mounted."""
     replicas, mnt = check_paths(cfg)
+    usage_path = _usage_path(cfg, replicas) if cfg.usage else None
     t0 = time.monotonic()
-    tree = Tree(replicas[0].root)
+    tree = Tree(replicas[0].root, _hide_usage(usage_path, replicas[0].root))
     files = build_files(tree, replicas)
+    history, saving = Usage(), usage_path is not None
+    if usage_path is not None:
+        try:
+            history = load_usage(usage_path)
+        except BadUsageFile as e:
+            saving = False
+            log.warning("%s; not updated this run (fix or move it)", e)
     probed: list[ProbeResult] = []
     if cfg.weights is None and cfg.probe_seconds > 0 and len(replicas) > 1:
         probed = probe(replicas, list(files.values()), cfg.probe_seconds)
@@ -185,13 +265,34 @@ def serve(
     ]
     log.addHandler(KeepWarnings(stats))
     log.info("%s", describe(replicas, cfg.weights_source, files))
+    weights = [r.weight for r in replicas]
+    if len(replicas) == 2 and history:
+        weights, stats.partial = _partial_routing(files, weights, history)
+        if stats.partial is not None:
+            log.info(
+                "partial mirror: it holds %.0f%% of the traffic in the usage history; weights %s for the "
+                "files it holds; expected byte split %s",
+                100 * stats.partial["coverage"],
+                ":".join(f"{w:.3g}" for w in weights),
+                " / ".join(f"{100 * x:.0f}%" for x in stats.partial["predicted_byte_share"]),
+            )
+    stats.usage = {"file": usage_path, "saving": saving, "history_runs": history.runs, "last_saved": None}
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
     workers = [
         DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
         for r in replicas
     ]
     backing = io or OsIO(direct=cfg.backing_io == "direct")
-    reader = Reader(replicas, workers, backing, stats, routing=cfg.routing, files=list(files.values()))
+    reader = Reader(
+        replicas,
+        workers,
+        backing,
+        stats,
+        routing=cfg.routing,
+        files=list(files.values()),
+        usage=Usage(runs=1) if saving else None,
+        weights=weights,
+    )
     stats.routing = cfg.routing
     stats.in_flight = lambda: [w.busy for w in workers]
     ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
@@ -208,9 +309,11 @@ def serve(
         except RuntimeError as e:
             raise MountError(f"cannot mount on {mnt}: {e}") from None
         try:
-            trio.run(_main, mnt, cfg.knobs, reader, on_ready, early)
+            trio.run(_main, mnt, cfg.knobs, reader, on_ready, early, cfg.usage_interval)
         finally:
             pyfuse3.close(unmount=True)
+            if reader.usage:  # what was served since the last save: `colifs umount` waits for it
+                _write_usage(stats, reader.usage)
     finally:
         for w in workers:
             w.close()
@@ -220,7 +323,12 @@ def serve(
 
 
 async def _main(
-    mnt: str, knobs: Knobs, reader: Reader, on_ready: Callable[[], None], early: list[int]
+    mnt: str,
+    knobs: Knobs,
+    reader: Reader,
+    on_ready: Callable[[], None],
+    early: list[int],
+    usage_interval: float,
 ) -> None:
     stats = reader.stats
     async with trio.open_nursery() as nursery:
@@ -248,6 +356,8 @@ async def _main(
 
         nursery.start_soon(fuse_loop)
         nursery.start_soon(reader.watch)
+        if reader.usage is not None:
+            nursery.start_soon(_keep_usage, reader, usage_interval)
         await nursery.start(signals)
         # Ready means serving: a real request through the kernel proves it.
         path = os.path.join(mnt, ".colifs", "stats")

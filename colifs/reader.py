@@ -26,6 +26,7 @@ from colifs.logs import WarnOnce
 from colifs.replicas import Identity, Replica, ServedFile
 from colifs.routing import CHUNK, pick, stripe_sequence
 from colifs.stats import Stats
+from colifs.usage import Usage
 from colifs.workers import DriveWorkers, TimedOut, gather
 
 log = logging.getLogger("colifs")
@@ -54,8 +55,13 @@ class Reader:
         pool: BufferPool | None = None,
         routing: str = "stripe",
         files: Sequence[ServedFile] = (),
+        usage: Usage | None = None,
+        weights: Sequence[float] | None = None,
     ) -> None:
         self.pool = pool or BufferPool()
+        self.usage = usage  # counts what is served per key and file (None: not counted)
+        # Per replica, for files the mirrors hold (a partial mirror gets more than its plain weight).
+        self.weights = list(weights) if weights is not None else [r.weight for r in replicas]
         self.files = list(files)  # where the health checks of a down mirror read from
         self.health = [Health() for _ in replicas]  # [0], the primary's, is never failed
         stats.health = self.health
@@ -80,7 +86,7 @@ class Reader:
             of = self._open.get(f.relpath)
             if of is None:
                 fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
-                weights = [self.replicas[0].weight] + [0.0] * (len(self.replicas) - 1)
+                weights = [self.weights[0]] + [0.0] * (len(self.replicas) - 1)
                 of = self._open[f.relpath] = OpenFile(f, fds, weights, 1, set(f.replicas[1:]))
                 await self._attach(of)
                 return of
@@ -109,7 +115,7 @@ class Reader:
                 self._mirror_changed(f, i, str(e))
             else:
                 of.fds[i] = fd
-                of.weights[i] = self.replicas[i].weight
+                of.weights[i] = self.weights[i]
 
     def release(self, of: OpenFile) -> None:
         of.refs -= 1
@@ -146,18 +152,28 @@ class Reader:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def plan(self, of: OpenFile, off: int, end: int) -> list[tuple[int, int, int]]:
+    def plan(self, of: OpenFile, off: int, end: int, asked: int = 0) -> list[tuple[int, int, int]]:
         """[off, end) as (start, end, drive) runs: pieces routed by key, same-drive neighbours merged.
+
+        Usage counts only bytes from `asked` on (the caller's offset before rounding to BLOCK).
 
         Expert routing: a key's bytes all go to one drive. Stripe routing: a key of two chunks or
         more is cut at absolute CHUNK boundaries, chunk c going to seq[(c + rotation) % len(seq)].
         """
         f = of.file
-        if f.layout is None or len(f.replicas) == 1:
+        layout = f.layout
+        if layout is None:
             return [(off, end, 0)]
+        usage = self.usage
         weights = of.weights
         if self._down:
             weights = [0.0 if i in self._down else w for i, w in enumerate(weights)]
+        if len(f.replicas) == 1 or not any(weights):
+            if usage is not None:  # the heat of primary-only files is what `colifs plan` needs most
+                for start, stop, extent in layout.pieces(max(off, asked), end):
+                    if extent != HEADER:
+                        usage.count(layout.keys[extent], stop - start)
+            return [(off, end, 0)]
         runs: list[tuple[int, int, int]] = []
 
         def add(start: int, stop: int, drive: int, layer: str | None) -> None:
@@ -168,12 +184,13 @@ class Reader:
             else:
                 runs.append((start, stop, drive))
 
-        layout = f.layout
         for start, stop, extent in layout.pieces(off, end):
             if extent == HEADER:
                 add(start, stop, 0, None)
                 continue
             key = layout.keys[extent]
+            if usage is not None and stop > asked:
+                usage.count(key, stop - max(start, asked))
             layer = f"{key.stack}.{key.layer}" if isinstance(key, ExpertKey) else None
             rotation = f.stripes[extent] if self.striping else -1
             if rotation < 0:
@@ -205,8 +222,10 @@ class Reader:
             return b""
         if of.detached and not of.detached <= self._down:
             await self._attach(of)  # a mirror that was down when the file was opened is back
+        if self.usage is not None:
+            self.usage.count_file(of.file.relpath, end - off)
         start, stop = align_down(off), align_up(end)
-        runs = snap(self.plan(of, start, end), stop)
+        runs = snap(self.plan(of, start, end, off), stop)
         buf = self.pool.take(stop - start)
         # Not back to the pool on an exception, or when a read given up on still writes into it.
         valid, view = await self._read_runs(of, runs, memoryview(buf), off, end)

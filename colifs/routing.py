@@ -51,8 +51,8 @@ def positions(keys: Iterable[Key]) -> dict[Key, float]:
 def pick(u: float, weights: Sequence[float]) -> int:
     """The replica whose interval holds u. A weight of 0 (no valid copy, or down) is never picked.
 
-    The primary (index 0) must have a positive weight; it is also the answer when every other
-    weight is 0.
+    At least one weight must be positive (the reader sends a request whose weights are all 0 to
+    the primary without asking).
     """
     total = 0.0
     for w in weights:
@@ -92,7 +92,7 @@ def stripe_sequence(weights: Sequence[float], slots: int = STRIPE_SLOTS) -> tupl
     two drives, within 4/3 with three or with ratios 64 slots only approximate (tested).
 
     Shares are the weights rounded to 1/slots by largest remainder; a replica of weight 0 (no
-    valid copy) gets none. The primary must have a positive weight.
+    valid copy) gets none. At least one weight must be positive.
     """
     total = sum(weights)
     exact = [w / total * slots for w in weights]
@@ -114,3 +114,25 @@ def stripe_sequence(weights: Sequence[float], slots: int = STRIPE_SLOTS) -> tupl
 def stripe_rotation(key: Key, slots: int = STRIPE_SLOTS) -> int:
     """Where in the sequence a key's chunks start: keys read at the same time start apart."""
     return digest(key) % slots
+
+
+# -- a partial mirror: keys it holds get more than the plain weights --------------------------------
+
+
+def partial_mirror_weights(weights: Sequence[float], coverage: float) -> tuple[list[float], float]:
+    """Weights for the files a partial mirror holds, and the mirror's expected share of all bytes.
+
+    `coverage` is the share of the traffic (from usage history) that falls in keys the mirror
+    holds. Plain weights give the mirror only coverage x its share; raising its share among the
+    keys it holds to share / coverage makes the expected byte split match the weights, capped at
+    every held key (the primary then serves none of them). Two replicas only; the primary's
+    weight may come out 0 (pick() then never picks it for those files).
+    """
+    w0, w1 = weights
+    share = w1 / (w0 + w1)
+    if coverage <= 0:
+        return [w0, w1], 0.0
+    held = min(1.0, share / coverage)  # the mirror's share among the keys it holds
+    if held >= 1.0:
+        return [0.0, w1], coverage
+    return [w0 * (1 - held), w0 * held], held * coverage

@@ -35,6 +35,8 @@ class Stats:
         self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
         self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
         self.routing = "stripe"
+        self.usage: dict = {"file": None}  # where usage is saved, and how that went
+        self.partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
         self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
         self.health: list[Health] = [Health() for _ in replicas]  # replaced by the reader's
 
@@ -97,6 +99,8 @@ class Stats:
                 for i, (r, name) in enumerate(zip(self.replicas, self._names(), strict=True))
             ],
             "fallbacks": self.fallbacks,
+            "usage": self.usage,
+            "partial_mirror": self.partial,
             "files": {
                 f.relpath: {"replicas": [self.replicas[i].root for i in f.replicas], "note": f.note}
                 for f in files

@@ -10,7 +10,7 @@ import hashlib
 import logging
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 log = logging.getLogger("colifs")
@@ -39,8 +39,9 @@ class Node:
 class Tree:
     """Nodes by inode; built once, read-only afterwards."""
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, hidden: Callable[[str], bool] = lambda _: False) -> None:
         self.root = root
+        self._hidden = hidden  # relpaths not shown (colifs' own usage file)
         self.nodes: dict[int, Node] = {}
         self._walk("", ROOT_INO, os.lstat(root))
 
@@ -61,6 +62,8 @@ class Tree:
             return
         for entry in entries:
             child_rel = os.path.join(relpath, entry.name)
+            if self._hidden(child_rel):
+                continue
             try:
                 child_st = entry.stat(follow_symlinks=False)
             except OSError as e:

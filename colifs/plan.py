@@ -1,0 +1,168 @@
+"""Which shards belong on a smaller mirror: most traffic per byte of space, within a budget.
+
+`survey` reads only headers (of the primary's model files and of any copies on the mirror);
+`choose` is pure. Shards already valid on the mirror cost nothing; a different file already at a
+shard's name on the mirror is never replaced (colifs does not delete what it did not write).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from colifs.errors import UsageError
+from colifs.formats import format_of
+from colifs.layout import Layout, LayoutError
+from colifs.replicas import mirror_problem
+from colifs.tree import Tree
+from colifs.usage import (
+    COLI_USAGE_NAME,
+    USAGE_NAME,
+    Usage,
+    key_sizes,
+    load,
+    main_stack,
+    read_coli_usage,
+    traffic,
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """`200G`, `1.5T`, `500M` (powers of 1024, like truncate(1)); `200GB` powers of 1000; bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise UsageError(f"size {text!r}: expected a number with an optional K, M, G, T or P suffix")
+    number, unit, tail = float(m.group(1)), m.group(2).upper(), m.group(3).upper()
+    power = "KMGTP".find(unit) + 1
+    base = 1000 if tail == "B" and power else 1024
+    return int(number * base**power)
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+@dataclass
+class Shard:
+    """A model file of the primary and what the mirror holds under its name."""
+
+    relpath: str
+    size: int
+    layout: Layout | None  # None: its header is malformed (never mirrored usefully)
+    on_mirror: str  # "present" (valid copy), "missing", or why the copy there cannot serve
+    traffic: float = 0.0  # expected bytes read from it (usage history, or its size)
+
+    @property
+    def present(self) -> bool:
+        return self.on_mirror == "present"
+
+    @property
+    def blocked(self) -> bool:
+        """A different file sits at its name on the mirror: staging would have to replace it."""
+        return self.on_mirror not in ("present", "missing")
+
+
+def survey(primary: str, mirror: str) -> list[Shard]:
+    """Every model file of the primary, with its layout and the state of its copy on the mirror."""
+    shards = []
+    for node in Tree(primary).files():
+        fmt = format_of(node.relpath)
+        if fmt is None:
+            continue
+        path = os.path.join(primary, node.relpath)
+        try:
+            size, header, layout = fmt.read(path)
+        except (LayoutError, OSError):
+            shards.append(Shard(node.relpath, node.st.st_size, None, "primary header unreadable"))
+            continue
+        problem, _ = mirror_problem(os.path.join(mirror, node.relpath), size, header)
+        shards.append(Shard(node.relpath, size, layout, problem or "present"))
+    return shards
+
+
+def find_usage(primary: str, given: str | None, shards: Sequence[Shard]) -> tuple[Usage, str]:
+    """The usage history to plan from, and a phrase saying where it came from."""
+    candidates = (
+        [given] if given else [os.path.join(primary, USAGE_NAME), os.path.join(primary, COLI_USAGE_NAME)]
+    )
+    for path in candidates:
+        if path is None or (not given and not os.path.exists(path)):
+            continue
+        if not os.path.isfile(path):
+            raise UsageError(f"usage file {path} does not exist")
+        with open(path, "rb") as f:
+            first = f.read(64).lstrip()
+        if first.startswith(b"{"):
+            usage = load(path)
+        else:
+            layouts = [s.layout for s in shards if s.layout is not None]
+            sizes = key_sizes(layouts)
+            usage = read_coli_usage(path, sizes, main_stack(sizes))
+        if usage:
+            return usage, f"usage history {path} ({usage.runs} run{'s' * (usage.runs != 1)})"
+        return usage, f"usage history {path} is empty: assuming every byte is read equally"
+    return Usage(), "no usage history: assuming every byte is read equally (mount the model and use it first)"
+
+
+def estimate(shards: Sequence[Shard], usage: Usage) -> None:
+    """Fill each shard's expected traffic from the usage (or its size without usage)."""
+    layouts = {s.relpath: s.layout for s in shards if s.layout is not None}
+    expected = traffic(layouts, usage)
+    for s in shards:
+        s.traffic = expected.get(s.relpath, 0.0)
+
+
+@dataclass
+class Choice:
+    shard: Shard
+    selected: bool
+    reason: str  # "on mirror", "copy", "over budget", "mirror has a different file", ...
+
+
+def choose(shards: Sequence[Shard], space: int) -> list[Choice]:
+    """Shards ordered by traffic per byte; present ones are kept (free), then greedy within `space`.
+
+    Greedy by density is the classic knapsack approximation: optimal whenever the chosen shards
+    fill the space exactly, and shards are small next to a drive.
+    """
+    order = sorted(shards, key=lambda s: (-(s.traffic / s.size if s.size else 0.0), s.relpath))
+    used = 0
+    out = []
+    for s in order:
+        if s.present:
+            out.append(Choice(s, True, "on mirror"))
+        elif s.layout is None:
+            out.append(Choice(s, False, s.on_mirror))
+        elif s.blocked:
+            out.append(Choice(s, False, f"mirror has another file ({s.on_mirror})"))
+        elif used + s.size <= space:
+            used += s.size
+            out.append(Choice(s, True, "copy"))
+        else:
+            out.append(Choice(s, False, "over budget"))
+    return out
+
+
+def coverage(choices: Sequence[Choice]) -> float:
+    total = sum(c.shard.traffic for c in choices)
+    return sum(c.shard.traffic for c in choices if c.selected) / total if total else 0.0
+
+
+def speedup(cov: float, weights: Sequence[float]) -> float:
+    """Expected read speed with the mirror over the primary alone.
+
+    The mount can give the mirror up to min(coverage, its weight share) of the bytes (partial-
+    mirror routing); the slower drive to finish its part sets the time.
+    """
+    w0, w1 = weights
+    share = min(cov, w1 / (w0 + w1))
+    time_with = max((1 - share) / w0, share / w1)
+    return (1 / w0) / time_with if time_with > 0 else 1.0
