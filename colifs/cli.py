@@ -490,8 +490,7 @@ def _plan(args: argparse.Namespace) -> tuple[list, list, str, str, int]:
     estimate(shards, usage)
     st = os.statvfs(mirror)
     free = st.f_bavail * st.f_frsize
-    space = max(0, min(budget, free - reserve))
-    return replicas, choose(shards, space), source, mirror, reserve
+    return replicas, choose(shards, budget, max(0, free - reserve)), source, mirror, reserve
 
 
 def _prediction_weights(args: argparse.Namespace, replicas: list, choices: list) -> tuple[list[float], str]:

@@ -37,7 +37,7 @@ def parse_size(text: str) -> int:
     if not m:
         raise UsageError(f"size {text!r}: expected a number with an optional K, M, G, T or P suffix")
     number, unit, tail = float(m.group(1)), m.group(2).upper(), m.group(3).upper()
-    power = "KMGTP".find(unit) + 1
+    power = "KMGTP".index(unit) + 1 if unit else 0
     base = 1000 if tail == "B" and power else 1024
     return int(number * base**power)
 
@@ -127,13 +127,16 @@ class Choice:
     reason: str  # "on mirror", "copy", "over budget", "mirror has a different file", ...
 
 
-def choose(shards: Sequence[Shard], space: int) -> list[Choice]:
-    """Shards ordered by traffic per byte; present ones are kept (free), then greedy within `space`.
+def choose(shards: Sequence[Shard], budget: int, free: int) -> list[Choice]:
+    """Shards ordered by traffic per byte: those already on the mirror are kept (they cost no free
+    space, but count in the budget, so a re-run with the same budget selects the same set), then
+    the rest greedily while the budget and the free space (already less the reserve) allow.
 
     Greedy by density is the classic knapsack approximation: optimal whenever the chosen shards
     fill the space exactly, and shards are small next to a drive.
     """
     order = sorted(shards, key=lambda s: (-(s.traffic / s.size if s.size else 0.0), s.relpath))
+    space = min(budget - sum(s.size for s in shards if s.present), free)
     used = 0
     out = []
     for s in order:
