@@ -96,6 +96,12 @@ def colifs_mount(dirs: list[Path], mnt: Path, *flags: str) -> Iterator[dict]:
     try:
         yield json.loads((mnt / ".colifs" / "stats.json").read_text())
     finally:
+        # Honest numbers: a phase that fell back to the primary (errors, timeouts) says so.
+        with contextlib.suppress(OSError, ValueError):
+            st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+            timeouts = sum(r.get("health", {}).get("timeouts", 0) for r in st["replicas"])
+            if st["fallbacks"] or timeouts:
+                print(f"   WARNING: {st['fallbacks']} fallbacks, {timeouts} mirror timeouts on this mount")
         subprocess.run([*COLIFS, "umount", str(mnt)], capture_output=True)
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
@@ -170,6 +176,90 @@ def stripe_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict
         Path(args.json).write_text(json.dumps({"args": vars(args), "phases": res}, indent=1))
 
 
+def partial_study(
+    args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
+) -> None:
+    """A mirror drive holding only part of the model (issue 4): learn usage on a skewed workload,
+    `colifs plan/stage` a share of the shards onto the slow drive, then read with plain weights and
+    with usage-informed (partial-mirror) routing, against a full mirror and the primary alone."""
+    a, b = rig.dirs
+    w = f"{args.fast:g},{args.slow:g}"
+    z = ("--zipf", f"{args.zipf:g}")
+    usage = work / "usage.json"
+    splits: dict[str, float] = {}
+
+    def split() -> float:
+        st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+        served = [r["bytes_served"] for r in st["replicas"]]
+        return served[-1] / sum(served) if len(served) > 1 and sum(served) else 0.0
+
+    with colifs_mount([a], mnt, "--usage-file", str(usage)):
+        phase("pa", f"colifs, primary only, zipf {args.zipf:g} (learns usage)", [mnt], *z)
+    with colifs_mount([a, b], mnt, "--weights", w, "--usage-file", str(work / "u-full.json")):
+        phase("pf", "colifs, full mirror", [mnt], *z)
+        splits["pf"] = split()
+    model = sum(p.stat().st_size for p in a.glob("*.safetensors"))
+    shutil.rmtree(b)
+    b.mkdir()
+    budget = str(int(model * args.budget_share))
+    plan = subprocess.run(
+        [
+            *COLIFS,
+            "plan",
+            str(a),
+            str(b),
+            "--budget",
+            budget,
+            "--usage",
+            str(usage),
+            "--weights",
+            w,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    if plan.returncode:
+        raise RuntimeError(plan.stderr)
+    planned = json.loads(plan.stdout)
+    print(f"staging {planned['bytes_to_copy'] / 1e9:.2f} GB onto the slow drive ...", file=sys.stderr)
+    staged = subprocess.run(
+        [*COLIFS, "stage", str(a), str(b), "--budget", budget, "--usage", str(usage), "-q"],
+        capture_output=True,
+        text=True,
+    )
+    if staged.returncode:
+        raise RuntimeError(staged.stderr)
+    settle()
+    with colifs_mount([a, b], mnt, "--weights", w, "--usage-file", str(work / "u-plain.json")):
+        phase("pp", "colifs, partial mirror, plain weights", [mnt], *z)
+        splits["pp"] = split()
+    with colifs_mount([a, b], mnt, "--weights", w, "--usage-file", str(usage)) as st:
+        phase("pi", "colifs, partial mirror, usage-informed routing", [mnt], *z)
+        splits["pi"] = split()
+        informed = st["partial_mirror"] or {}
+    base = res["pa"]["gb_per_s"]
+    print()
+    print(
+        f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; {args.threads} readers, zipf {args.zipf:g}; "
+        f"mirror holds {planned['bytes_to_copy'] / model:.0%} of the model ({args.budget_share:.0%} budget), "
+        f"{planned['coverage']:.1%} of the learned traffic"
+    )
+    print(f"{'phase':<52} {'GB/s':>7} {'vs primary':>10} {'mirror bytes':>13}")
+    for key in ("pa", "pf", "pp", "pi"):
+        g = res[key]["gb_per_s"]
+        sp = f"{splits[key]:.1%}" if key in splits else "-"
+        print(f"{key + ') ' + res[key]['label']:<52} {g:>7.3f} {g / base:>10.2f} {sp:>13}")
+    print(
+        f"predicted: plan {planned['predicted_speedup']:.2f}x; mount's byte split "
+        f"{informed.get('predicted_byte_share', ['-', '-'])[-1]} on the mirror (target "
+        f"{args.slow / (args.fast + args.slow):.1%})"
+    )
+    g = {k: res[k]["gb_per_s"] for k in ("pa", "pf", "pp", "pi")}
+    print(f"pi/pf     partial (informed) vs full mirror        {g['pi'] / g['pf']:.3f}")
+    print(f"pi/pp     informed vs plain routing, same mirror   {g['pi'] / g['pp']:.3f}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", type=float, default=150, help="MB/s of the fast drive (default 150)")
@@ -193,6 +283,15 @@ def main() -> int:
         "--stripe-study",
         action="store_true",
         help="only the routing study: expert vs stripe, 1 O_DIRECT reader, 1 mmap reader, 4 and 32 readers",
+    )
+    p.add_argument(
+        "--partial-study",
+        action="store_true",
+        help="only the partial-mirror study: learn usage, stage a share of the shards, plain vs informed",
+    )
+    p.add_argument("--zipf", type=float, default=1.0, help="skew of the partial study's workload (default 1)")
+    p.add_argument(
+        "--budget-share", type=float, default=0.25, help="share of the model staged in the partial study"
     )
     p.add_argument(
         "--sweep-readahead",
@@ -240,11 +339,15 @@ def main() -> int:
             print(f"{key}) {label} ...", file=sys.stderr)
             labels[key] = label
             res[key] = bench(dirs, args, devs, *extra)
+            res[key]["label"] = label
 
         phase("a", "primary directly", [a])
         phase("b", "mirror directly", [b])
         if args.stripe_study:
             stripe_study(args, phase, rig, mnt, res)
+            return 0
+        if args.partial_study:
+            partial_study(args, phase, rig, mnt, res, work)
             return 0
         phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
         with colifs_mount([a], mnt, "--no-probe"):
