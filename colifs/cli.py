@@ -629,11 +629,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(data, indent=1))
         return 0
     print(f"colifs {args.mountpoint}: up {data['uptime_s']:.0f} s, weights {data['weights_source']}")
-    print(f"{'replica':<9} {'path':<32} {'weight':>7} {'GB':>9} {'share':>6} {'reads':>9} {'errors':>6}")
+    print(
+        f"{'replica':<9} {'path':<32} {'weight':>7} {'GB':>9} {'share':>6} {'reads':>9} {'errors':>6}  state"
+    )
     for r in data["replicas"]:
+        health = r.get("health")
+        state = "primary" if health is None else health["state"]
+        if health is not None and health["state"] == "down":
+            state += f" (next check in {health['next_check_in_s']:g} s; {health['last_error']})"
         print(
             f"{r['name']:<9} {r['path']:<32} {r['weight_share']:>6.0%} {r['bytes_served'] / 1e9:>9.2f}"
-            f" {r['byte_share']:>6.0%} {r['reads']:>9} {r['read_errors']:>6}"
+            f" {r['byte_share']:>6.0%} {r['reads']:>9} {r['read_errors']:>6}  {state}"
         )
     print(f"fallbacks {data['fallbacks']}")
     notes = {name: f["note"] for name, f in data["files"].items() if f["note"]}

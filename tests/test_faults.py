@@ -107,6 +107,9 @@ def test_a_mirror_that_starts_failing_mid_run(tmp_path: Path) -> None:
             health = after["replicas"][1]["health"]
             assert health["state"] == "down" and word in health["last_error"]
             assert sum("failures in a row" in w for w in after["recent_warnings"]) == health["times_down"]
+            table = run_colifs("stats", str(mnt)).stdout
+            assert "down (next check in" in table and word in table
+            assert ", DOWN)" in (mnt / ".colifs" / "stats").read_text()
             read_all(mnt, primary)
             again = stats(mnt)["replicas"][1]["health"]
             assert again["errors"] <= health["errors"] + again["checks"]  # only check reads touched it
