@@ -160,6 +160,17 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true", help="print the figures as JSON")
     b.set_defaults(mode="odirect")
 
+    ro = sub.add_parser(
+        "route",
+        help="which tensor, key and drive serve a byte of a file on a mount",
+        description="Print the tensor holding byte OFFSET of FILE (a model file on a colifs mount), "
+        "its routing key, and the drive that serves it now. The mount answers through the extended "
+        "attribute user.colifs.route.OFFSET; user.colifs.replicas lists the valid copies.",
+    )
+    ro.add_argument("file", metavar="FILE")
+    ro.add_argument("offset", metavar="OFFSET", help="byte offset (decimal, or 0x... hex)")
+    ro.add_argument("--json", action="store_true", help="print the answer as JSON")
+
     def planning(q: argparse.ArgumentParser) -> None:
         q.add_argument("primary", metavar="PRIMARY")
         q.add_argument("mirror", metavar="MIRROR")
@@ -223,7 +234,11 @@ def _parser() -> argparse.ArgumentParser:
         description="Show the bytes and reads each drive served through a mount.",
     )
     s.add_argument("mountpoint")
-    s.add_argument("--json", action="store_true", help="print stats.json as it is")
+    how_ = s.add_mutually_exclusive_group()
+    how_.add_argument("--json", action="store_true", help="print stats.json as it is")
+    how_.add_argument(
+        "--prometheus", action="store_true", help="print the counters in the Prometheus text format"
+    )
     return p
 
 
@@ -239,6 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "plan": cmd_plan,
             "stage": cmd_stage,
             "verify": cmd_verify,
+            "route": cmd_route,
         }
         return commands[args.command](args)
     except QuietError as e:
@@ -620,11 +636,52 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- route ---------------------------------------------------------------------------------------
+
+
+def cmd_route(args: argparse.Namespace) -> int:
+    try:
+        offset = int(args.offset, 0)
+    except ValueError:
+        raise UsageError(f"offset {args.offset!r} is not a number") from None
+    if not os.path.isfile(args.file):
+        raise UsageError(f"{args.file} is not a file")
+    try:
+        raw = os.getxattr(args.file, f"user.colifs.route.{offset}")
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise UsageError(
+                f"offset {offset} is outside {args.file} ({os.path.getsize(args.file)} bytes)"
+            ) from None
+        raise NotMountedError(f"{args.file} is not a file on a colifs mount") from None
+    answer = json.loads(raw)
+    if args.json:
+        print(json.dumps(answer, indent=1))
+        return 0
+    key = answer["key"]
+    if isinstance(key, dict):
+        key = f"expert {key['expert']} of {key['stack']} layer {key['layer']}"
+    print(f"{answer['file']} byte {offset}")
+    if key is None:
+        print("  not a model file: served from the primary as plain bytes")
+        return 0
+    print(f"  tensor  {answer['tensor'] or '(header)'}")
+    print(f"  key     {key}")
+    print(f"  drive   {answer['drive']} ({answer['path']})")
+    print(f"  copies  {', '.join(answer['valid_copies'])}")
+    return 0
+
+
 # -- stats ---------------------------------------------------------------------------------------
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
     data = _read_stats(args.mountpoint)
+    if args.prometheus:
+        from colifs.metrics import prometheus
+
+        sys.stdout.write(prometheus(data))
+        return 0
     if args.json:
         print(json.dumps(data, indent=1))
         return 0

@@ -11,8 +11,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colifs.gguf import read_gguf_header
-from colifs.layout import Layout, LayoutError, header_length, parse_header
+from colifs.gguf import gguf_tensor_spans, read_gguf_header
+from colifs.layout import Layout, LayoutError, header_length, parse_header, tensor_spans
 
 Header = tuple[int, bytes, Layout]  # file size, header bytes, layout
 
@@ -47,6 +47,7 @@ class Format:
     name: str
     suffix: str
     reader: Callable[[int, int], tuple[bytes, Layout]]
+    spans: Callable[[bytes, int], list[tuple[int, int, str]]]  # header → (start, end, tensor name)
 
     def read(self, path: str) -> Header:
         """(size, header bytes, layout) of the file at `path`; LayoutError or OSError if bad."""
@@ -59,7 +60,22 @@ class Format:
             os.close(fd)
 
 
-FORMATS = (Format("safetensors", ".safetensors", read_safetensors), Format("gguf", ".gguf", read_gguf))
+FORMATS = (
+    Format("safetensors", ".safetensors", read_safetensors, tensor_spans),
+    Format("gguf", ".gguf", read_gguf, gguf_tensor_spans),
+)
+
+
+def tensor_at(path: str, offset: int) -> str | None:
+    """The name of the tensor holding byte `offset` of a model file (reads its header only)."""
+    fmt = format_of(path)
+    if fmt is None:
+        return None
+    size, header, _ = fmt.read(path)
+    for start, end, name in fmt.spans(header, size):
+        if start <= offset < end:
+            return name
+    return None
 
 
 def format_of(relpath: str) -> Format | None:

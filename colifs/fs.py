@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import json
 import logging
 import os
 import stat
@@ -17,6 +18,8 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from colifs.formats import tensor_at
+from colifs.layout import HEADER, ExpertKey
 from colifs.reader import OpenFile, Reader
 from colifs.replicas import ServedFile
 from colifs.stats import Stats
@@ -29,6 +32,8 @@ CONTROL_INO = 2
 STATS_INO = 3
 STATS_JSON_INO = 4
 _CONTROL_FILES = {b"stats": STATS_INO, b"stats.json": STATS_JSON_INO}
+REPLICAS_XATTR = b"user.colifs.replicas"
+ROUTE_XATTR = b"user.colifs.route."
 _WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 CACHE_TIMEOUT = 3600.0  # the backing files are immutable while mounted
 
@@ -220,11 +225,46 @@ class ColiFS(pyfuse3.Operations):
         if isinstance(h, OpenFile):
             self.reader.release(h)
 
+    @fuse_boundary
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        """`user.colifs.replicas`: the copies that serve the file, one `role path` per line.
+        `user.colifs.route.OFFSET` (not listed): the tensor, key and drive of that byte, as JSON."""
+        f = self.files.get(inode)
+        if f is None:
+            raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
+        if name == REPLICAS_XATTR:
+            lines = [f"{self.reader.replicas[i].role} {self.reader.replicas[i].root}" for i in f.replicas]
+            return ("\n".join(lines) + "\n").encode()
+        if name.startswith(ROUTE_XATTR):
+            try:
+                offset = int(name[len(ROUTE_XATTR) :])
+            except ValueError:
+                raise pyfuse3.FUSEError(pyfuse3.ENOATTR) from None
+            if not 0 <= offset < f.size:
+                raise pyfuse3.FUSEError(errno.EINVAL)
+            return json.dumps(await self._route(f, offset)).encode()
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
+    async def _route(self, f: ServedFile, offset: int) -> dict:
+        path = os.path.join(self.reader.replicas[0].root, f.relpath)
+        tensor = await self.reader.workers[0].run(tensor_at, path, offset)
+        key: object = None
+        if f.layout is not None:
+            extent = f.layout.pieces(offset, offset + 1)[0][2]
+            key = "header" if extent == HEADER else f.layout.keys[extent]
+        drive = self.reader.route(f, offset)
+        return {
+            "file": f.relpath,
+            "offset": offset,
+            "tensor": tensor,
+            "key": key._asdict() if isinstance(key, ExpertKey) else key,
+            "drive": self.stats.names()[drive],
+            "path": self.reader.replicas[drive].root,
+            "valid_copies": [self.reader.replicas[i].root for i in f.replicas],
+        }
+
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:
-        return []
+        return [REPLICAS_XATTR] if inode in self.files else []
 
     # -- every write path: read-only filesystem -----------------------------------------------
 

@@ -117,6 +117,17 @@ class _Cursor:
 
 def parse_gguf(header: bytes, file_size: int) -> Layout:
     """Build the Layout from the start of a GGUF file (raises Truncated if `header` is too short)."""
+    return _layout(*_infos(header, file_size), file_size)
+
+
+def gguf_tensor_spans(header: bytes, file_size: int) -> list[tuple[int, int, str]]:
+    """(start, end, name) of every tensor, in file offsets: what `colifs route` names."""
+    infos, data_start = _infos(header, file_size)
+    return sorted((data_start + off, data_start + off + n, name) for off, n, name, _ in infos if n)
+
+
+def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, list[int]]], int]:
+    """The tensor infos (data offset, bytes, name, dims) and the aligned data start."""
     c = _Cursor(header, file_size)
     if file_size < 4 or c.take(4) != MAGIC:
         raise LayoutError("not a GGUF file (bad magic)")
@@ -157,7 +168,7 @@ def parse_gguf(header: bytes, file_size: int) -> Layout:
     data_start = -(-c.pos // alignment) * alignment
     if data_start > MAX_HEADER:
         raise LayoutError(f"header of {data_start} bytes is over the {MAX_HEADER}-byte limit")
-    return _layout(infos, data_start, file_size)
+    return infos, data_start
 
 
 def _layout(infos: list[tuple[int, int, str, list[int]]], data_start: int, file_size: int) -> Layout:

@@ -156,28 +156,7 @@ def parse_header(header: bytes, file_size: int) -> Layout:
 
     Raises LayoutError for anything safetensors itself would refuse, plus trailing bytes.
     """
-    n = header_length(header, file_size)
-    if len(header) < 8 + n:
-        raise LayoutError(f"header is {len(header) - 8} bytes, {n} expected")
-    try:
-        text = header[8 : 8 + n].decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise LayoutError(f"header is not valid UTF-8 (byte {e.start})") from None
-    try:
-        meta = json.loads(text)
-    except ValueError as e:
-        raise LayoutError(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
-    if not isinstance(meta, dict):
-        raise LayoutError("header JSON is not an object")
-    data_start = 8 + n
-    entries = []
-    for name, info in meta.items():
-        if name == "__metadata__":
-            continue
-        begin, end, shape = _nbytes(name, info)
-        if end > begin:  # zero-size tensors occupy no bytes and route nothing
-            entries.append((begin, end, name, shape))
-    entries.sort()
+    data_start, entries = _entries(header, file_size)
     starts: list[int] = []
     keys: list[Key] = []
     pos = 0
@@ -201,3 +180,36 @@ def parse_header(header: bytes, file_size: int) -> Layout:
             raise LayoutError(f"tensor data ends at {data_start + pos}, past the end ({file_size})")
         raise LayoutError(f"{file_size - data_start - pos} trailing bytes after the last tensor")
     return Layout(data_start, file_size, tuple(starts), tuple(keys))
+
+
+def tensor_spans(header: bytes, file_size: int) -> list[tuple[int, int, str]]:
+    """(start, end, name) of every tensor, in file offsets: what `colifs route` names."""
+    data_start, entries = _entries(header, file_size)
+    return [(data_start + b, data_start + e, name) for b, e, name, _ in entries]
+
+
+def _entries(header: bytes, file_size: int) -> tuple[int, list[tuple[int, int, str, list[int]]]]:
+    """The data start and the non-empty tensor entries (begin, end, name, shape), by offset."""
+    n = header_length(header, file_size)
+    if len(header) < 8 + n:
+        raise LayoutError(f"header is {len(header) - 8} bytes, {n} expected")
+    try:
+        text = header[8 : 8 + n].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise LayoutError(f"header is not valid UTF-8 (byte {e.start})") from None
+    try:
+        meta = json.loads(text)
+    except ValueError as e:
+        raise LayoutError(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
+    if not isinstance(meta, dict):
+        raise LayoutError("header JSON is not an object")
+    data_start = 8 + n
+    entries = []
+    for name, info in meta.items():
+        if name == "__metadata__":
+            continue
+        begin, end, shape = _nbytes(name, info)
+        if end > begin:  # zero-size tensors occupy no bytes and route nothing
+            entries.append((begin, end, name, shape))
+    entries.sort()
+    return data_start, entries

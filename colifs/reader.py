@@ -152,10 +152,13 @@ class Reader:
 
     # -- reads -------------------------------------------------------------------------------
 
-    def plan(self, of: OpenFile, off: int, end: int, asked: int = 0) -> list[tuple[int, int, int]]:
+    def plan(
+        self, of: OpenFile, off: int, end: int, asked: int = 0, dry: bool = False
+    ) -> list[tuple[int, int, int]]:
         """[off, end) as (start, end, drive) runs: pieces routed by key, same-drive neighbours merged.
 
-        Usage counts only bytes from `asked` on (the caller's offset before rounding to BLOCK).
+        Usage counts only bytes from `asked` on (the caller's offset before rounding to BLOCK);
+        `dry` counts nothing (a question, not a read).
 
         Expert routing: a key's bytes all go to one drive. Stripe routing: a key of two chunks or
         more is cut at absolute CHUNK boundaries, chunk c going to seq[(c + rotation) % len(seq)].
@@ -164,7 +167,7 @@ class Reader:
         layout = f.layout
         if layout is None:
             return [(off, end, 0)]
-        usage = self.usage
+        usage = None if dry else self.usage
         weights = of.weights
         if self._down:
             weights = [0.0 if i in self._down else w for i, w in enumerate(weights)]
@@ -177,7 +180,7 @@ class Reader:
         runs: list[tuple[int, int, int]] = []
 
         def add(start: int, stop: int, drive: int, layer: str | None) -> None:
-            if layer is not None:
+            if layer is not None and not dry:
                 self.stats.routed(layer, drive, stop - start)
             if runs and runs[-1][2] == drive:
                 runs[-1] = (runs[-1][0], stop, drive)
@@ -203,6 +206,13 @@ class Reader:
                 add(start, piece_end, seq[(chunk + rotation) % len(seq)], layer)
                 start = piece_end
         return runs
+
+    def route(self, f: ServedFile, offset: int) -> int:
+        """The drive that serves byte `offset` of `f` now (down mirrors and dropped copies included)."""
+        n = len(self.replicas)
+        weights = [self.weights[i] if i in f.replicas else 0.0 for i in range(n)]
+        of = OpenFile(f, [None] * n, weights, 0, set())
+        return self.plan(of, offset, offset + 1, dry=True)[0][2]
 
     def _sequence(self, weights: list[float]) -> tuple[int, ...]:
         key = tuple(weights)

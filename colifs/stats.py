@@ -54,7 +54,7 @@ class Stats:
             row = self.layers[layer] = [0] * len(self.replicas)
         row[drive] += nbytes
 
-    def _names(self) -> list[str]:
+    def names(self) -> list[str]:
         mirrors = len(self.replicas) - 1
         return ["primary"] + (["mirror"] if mirrors == 1 else [f"mirror{i}" for i in range(1, mirrors + 1)])
 
@@ -64,7 +64,7 @@ class Stats:
             f"{name} {self.bytes_served[i] / 1e9:.2f} GB ({self.reads[i]} reads"
             + ("" if self.health[i].up else ", DOWN")
             + ")"
-            for i, name in enumerate(self._names())
+            for i, name in enumerate(self.names())
         ]
         return "MIRROR: " + " | ".join(parts) + f" | fallbacks {self.fallbacks}\n"
 
@@ -96,7 +96,7 @@ class Stats:
                     "last_error": self.last_error[i],
                     **({"health": self.health[i].as_dict()} if i else {}),
                 }
-                for i, (r, name) in enumerate(zip(self.replicas, self._names(), strict=True))
+                for i, (r, name) in enumerate(zip(self.replicas, self.names(), strict=True))
             ],
             "fallbacks": self.fallbacks,
             "usage": self.usage,
