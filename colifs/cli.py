@@ -228,6 +228,19 @@ def _parser() -> argparse.ArgumentParser:
     ve.add_argument("-q", "--quiet", action="store_true", help="no progress")
     ve.add_argument("--json", action="store_true", help="print the rows as JSON")
 
+    tp = sub.add_parser(
+        "top",
+        help="live per-drive view of a mount",
+        description="A live view of a mount, redrawn every second: per drive MB/s now and on average, "
+        "share of bytes vs weights, reads in flight, errors, mirror health, fallbacks, hottest layers. "
+        "q or Ctrl-C exits.",
+    )
+    tp.add_argument("mountpoint")
+    tp.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="seconds between frames (default: 1)"
+    )
+    tp.add_argument("--count", type=int, metavar="N", help="draw N frames and exit (for scripts)")
+
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
@@ -255,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "stage": cmd_stage,
             "verify": cmd_verify,
             "route": cmd_route,
+            "top": cmd_top,
         }
         return commands[args.command](args)
     except QuietError as e:
@@ -354,10 +368,13 @@ def _daemonize(args: argparse.Namespace, cfg) -> int:
         os.close(w)
 
         def ready() -> None:
+            from colifs import logs
+
             sys.stderr.flush()
             os.write(2, READY)
             os.dup2(devnull, 1)
             os.dup2(devnull, 2)
+            logs.to_syslog()  # stderr is gone: from here on the log is syslog (and --log-file)
 
         try:
             code = _serve(args, cfg, ready)
@@ -669,6 +686,19 @@ def cmd_route(args: argparse.Namespace) -> int:
     print(f"  key     {key}")
     print(f"  drive   {answer['drive']} ({answer['path']})")
     print(f"  copies  {', '.join(answer['valid_copies'])}")
+    return 0
+
+
+# -- top -----------------------------------------------------------------------------------------
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from colifs.top import run
+
+    if not args.interval > 0 or (args.count is not None and args.count < 1):
+        raise UsageError("--interval must be positive and --count at least 1")
+    _read_stats(args.mountpoint)  # one clear line now if it is not a mount
+    run(lambda: _read_stats(args.mountpoint), args.interval, args.count)
     return 0
 
 

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import logging
+import logging.handlers
+import os
+import socket
 import sys
 from collections.abc import Hashable
 
@@ -25,6 +28,25 @@ def setup(debug: bool = False, log_file: str | None = None) -> None:
         log.addHandler(fh)
 
 
+SYSLOG_ENV = "COLIFS_SYSLOG_SOCKET"  # where the daemon's syslog goes (default /dev/log: journald)
+
+
+def to_syslog() -> str | None:
+    """Once daemonised (stderr gone), also log to syslog/journald; the socket used, if any."""
+    address = os.environ.get(SYSLOG_ENV, "/dev/log")
+    if not os.path.exists(address):
+        return None
+    try:
+        handler = logging.handlers.SysLogHandler(
+            address, logging.handlers.SysLogHandler.LOG_DAEMON, socket.SOCK_DGRAM
+        )
+    except OSError:
+        return None
+    handler.setFormatter(_Syslog())
+    log.addHandler(handler)
+    return address
+
+
 def one_line(text: str) -> str:
     """Control characters (a newline in a file name) escaped: one record, one line."""
     if text.isprintable():
@@ -41,6 +63,14 @@ class _Short(logging.Formatter):
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         return text
+
+
+class _Syslog(logging.Formatter):
+    """`colifs[pid]: warning: message`: the tag journald and syslog file records under."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno == logging.INFO else record.levelname.lower() + ": "
+        return f"colifs[{os.getpid()}]: {level}{one_line(record.getMessage())}"
 
 
 class _Stamped(logging.Formatter):

@@ -1,0 +1,251 @@
+"""Fitting where users are (issue 7): fstab / mount -t, syslog once daemonised, `colifs top`."""
+
+from __future__ import annotations
+
+import os
+import pty
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from colifs.errors import UsageError
+from colifs.fstab import mount_args, parse_argv
+from colifs.top import render
+from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
+
+HELPER = Path("/sbin/mount.fuse.colifs")
+
+
+# -- fstab ----------------------------------------------------------------------------------------
+
+
+def test_fstab_options_become_colifs_flags() -> None:
+    assert mount_args(
+        "/fast/m:/second/m", "/mnt/model", "ro,weights=9:3,allow_other,nofail,x-systemd.after=a"
+    ) == [
+        "/fast/m",
+        "/second/m",
+        "/mnt/model",
+        "--weights",
+        "9,3",
+        "--allow-other",
+    ]
+    assert mount_args(
+        "/a", "/m", "defaults,no_probe,mirror_timeout=2,usage_file=/var/u.json,routing=expert"
+    ) == [
+        "/a",
+        "/m",
+        "--no-probe",
+        "--mirror-timeout",
+        "2",
+        "--usage-file",
+        "/var/u.json",
+        "--routing",
+        "expert",
+    ]
+    assert parse_argv(["/a:/b", "/m", "-o", "ro,weights=1:1", "-n", "-t", "fuse.colifs"]) == (
+        "/a:/b",
+        "/m",
+        "ro,weights=1:1",
+        False,
+    )
+    assert parse_argv(["/a", "/m", "-fv", "-oro"])[3] is True  # mount -f: fake, nothing mounted
+    for bad, reason in [
+        ("weight=1:1", "unknown option"),
+        ("weights", "needs a value"),
+        ("debug=1", "takes no"),
+    ]:
+        with pytest.raises(UsageError, match=reason):
+            mount_args("/a:/b", "/m", bad)
+    with pytest.raises(UsageError, match="usage"):
+        parse_argv(["/a"])
+
+
+@contextmanager
+def helper_installed() -> Iterator[None]:
+    """mount(8) looks for /sbin/mount.fuse.colifs: linked to this checkout's script for the test."""
+    script = Path(sys.executable).with_name("mount.fuse.colifs")
+    if not script.exists():
+        pytest.skip(f"{script} is not installed (pip install -e . creates it)")
+    if HELPER.exists() or HELPER.is_symlink():
+        if not (HELPER.is_symlink() and Path(os.readlink(HELPER)) == script):
+            pytest.skip(f"{HELPER} exists and is not ours")
+        yield
+        return
+    HELPER.symlink_to(script)
+    try:
+        yield
+    finally:
+        HELPER.unlink()
+
+
+def test_mount_t_and_an_fstab_line(model, tmp_path: Path) -> None:
+    primary, mirror, mnt = model
+    if not shutil.which("mount"):
+        pytest.skip("no mount(8)")
+    with helper_installed():
+        try:
+            out = subprocess.run(
+                ["mount", "-t", "fuse.colifs", f"{primary}:{mirror}", str(mnt), "-o", "ro,weights=3:1"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert out.returncode == 0, out.stderr
+            st = run_colifs("stats", str(mnt), "--json")
+            assert '"weight_share": 0.75' in st.stdout
+            shard = sorted(primary.glob("*.safetensors"))[0]
+            assert (mnt / shard.name).read_bytes() == shard.read_bytes()
+            assert run_colifs("umount", str(mnt)).returncode == 0 and not is_mounted(mnt)
+            fstab = tmp_path / "fstab"
+            fstab.write_text(
+                f"# test\n{primary}:{mirror} {mnt} fuse.colifs ro,weights=1:1,nofail,noauto 0 0\n"
+            )
+            out = subprocess.run(
+                ["mount", "-T", str(fstab), str(mnt)], capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode == 0, out.stderr
+            assert '"weight_share": 0.5' in run_colifs("stats", str(mnt), "--json").stdout
+            fstab.write_text(f"{primary}:{mirror} {mnt} fuse.colifs ro,weight=1:1 0 0\n")
+            assert run_colifs("umount", str(mnt)).returncode == 0
+            out = subprocess.run(
+                ["mount", "-T", str(fstab), str(mnt)], capture_output=True, text=True, timeout=60
+            )
+            assert out.returncode != 0 and "unknown option 'weight=1:1'" in out.stderr
+            assert not is_mounted(mnt)
+        finally:
+            if is_mounted(mnt):
+                run_colifs("umount", str(mnt))
+            force_unmount(mnt)
+
+
+# -- logging --------------------------------------------------------------------------------------
+
+
+def test_the_daemon_logs_to_syslog_once_its_stderr_is_gone(model, tmp_path: Path) -> None:
+    primary, mirror, mnt = model
+    address = str(tmp_path / "log.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(address)
+    try:
+        log_file = tmp_path / "colifs.log"
+        args = ("--weights", "1,1", "--log-file", str(log_file))
+        with mounted(primary, [mirror], mnt, *args, env={"COLIFS_SYSLOG_SOCKET": address}) as m:
+            pid = m.stats()["pid"]
+        got = []
+        while select.select([sock], [], [], 0.5)[0]:
+            got.append(sock.recv(65536).decode())
+        assert any(f"colifs[{pid}]: signal SIGTERM: unmounting" in g for g in got), got
+        assert "signal SIGTERM: unmounting" in log_file.read_text()  # and in --log-file, stamped
+    finally:
+        sock.close()
+
+
+# -- top -----------------------------------------------------------------------------------------
+
+
+def _stats(served: list[int], fallbacks: int, layers: dict, health: dict | None = None) -> dict:
+    total = sum(served) or 1
+    reps = []
+    for i, b in enumerate(served):
+        r = {
+            "name": ["primary", "mirror"][i],
+            "path": f"/d{i}",
+            "bytes_served": b,
+            "byte_share": b / total,
+            "weight_share": 0.5,
+            "in_flight": 0,
+            "read_errors": 0,
+        }
+        if i:
+            r["health"] = health or {"state": "up", "timeouts": 0}
+        reps.append(r)
+    return {
+        "mountpoint": "/mnt/x",
+        "uptime_s": 10.0,
+        "routing": "stripe",
+        "weights_source": "given",
+        "replicas": reps,
+        "fallbacks": fallbacks,
+        "layers_routed_bytes": layers,
+    }
+
+
+def test_top_frame_shows_rates_shares_health_and_hot_layers() -> None:
+    prev = _stats([0, 0], 0, {"model.layers.1": [0, 0]})
+    down = {
+        "state": "down",
+        "timeouts": 3,
+        "down_for_s": 4.0,
+        "next_check_in_s": 2.0,
+        "last_error": "timeout at 0: no answer within 5 s",
+    }
+    cur = _stats(
+        [30_000_000, 10_000_000],
+        7,
+        {"model.layers.1": [5_000_000, 0], "model.layers.2": [9_000_000, 1]},
+        down,
+    )
+    frame = render(prev, cur, 2.0)
+    rows = frame.splitlines()
+    assert rows[2].split()[:5] == ["primary", "-", "15.0", "3.0", "75.0%"]
+    assert rows[3].split()[:5] == ["mirror", "down", "5.0", "1.0", "25.0%"]
+    assert "next check in 2.0 s: timeout at 0: no answer within 5 s" in rows[4]
+    assert "fallbacks 7 (3.5/s now)" in frame
+    assert frame.rstrip().endswith("model.layers.2 4.5 MB/s, model.layers.1 2.5 MB/s")
+
+
+def test_top_on_a_live_mount_and_q_quits(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        stop = threading.Event()
+
+        def reader() -> None:
+            files = sorted(primary.glob("*.safetensors"))
+            while not stop.is_set():
+                for p in files:
+                    (m.path / p.name).read_bytes()
+                    with open("/proc/sys/vm/drop_caches", "w") as f:
+                        f.write("1\n")
+
+        t = threading.Thread(target=reader)
+        t.start()
+        try:
+            out = run_colifs("top", str(m.path), "--count", "3", "--interval", "0.3")
+        finally:
+            stop.set()
+            t.join()
+        assert out.returncode == 0, out.stderr
+        frames = out.stdout.strip().split("\n\n")
+        assert len(frames) == 3 and all(f.startswith(f"colifs top {m.path}") for f in frames)
+        mirror_now = [float(f.splitlines()[3].split()[2]) for f in frames]
+        assert max(mirror_now) > 0  # the mirror's MB/s while the reader ran
+        # on a terminal it redraws until q
+        master, slave = pty.openpty()
+        proc = subprocess.Popen([*COLIFS, "top", str(m.path)], stdin=slave, stdout=slave, stderr=slave)
+        os.close(slave)
+        time.sleep(1.5)
+        os.write(master, b"q")
+        try:
+            assert proc.wait(timeout=5) == 0
+        finally:
+            proc.kill()
+            seen = b""
+            while select.select([master], [], [], 0.1)[0]:
+                try:
+                    seen += os.read(master, 65536)
+                except OSError:
+                    break
+            os.close(master)
+        assert b"\x1b[H\x1b[2J" in seen and b"hottest layers" in seen
+    bad = run_colifs("top", str(primary))
+    assert bad.returncode == 3 and bad.stderr.count("\n") == 1
