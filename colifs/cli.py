@@ -117,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Unmount a colifs mount and wait for its daemon to exit. "
         "Also clears a stale mount whose daemon is gone.",
     )
-    u.add_argument("mountpoint")
+    u.add_argument("mountpoint", help="a colifs mount point")
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon (default: 60)")
 
     p_ = sub.add_parser(
@@ -167,13 +167,13 @@ def _parser() -> argparse.ArgumentParser:
         "its routing key, and the drive that serves it now. The mount answers through the extended "
         "attribute user.colifs.route.OFFSET; user.colifs.replicas lists the valid copies.",
     )
-    ro.add_argument("file", metavar="FILE")
+    ro.add_argument("file", metavar="FILE", help="a model file on a colifs mount")
     ro.add_argument("offset", metavar="OFFSET", help="byte offset (decimal, or 0x... hex)")
     ro.add_argument("--json", action="store_true", help="print the answer as JSON")
 
     def planning(q: argparse.ArgumentParser) -> None:
-        q.add_argument("primary", metavar="PRIMARY")
-        q.add_argument("mirror", metavar="MIRROR")
+        q.add_argument("primary", metavar="PRIMARY", help="the model directory (the source of truth)")
+        q.add_argument("mirror", metavar="MIRROR", help="the directory on the second drive")
         q.add_argument(
             "--budget", required=True, metavar="SIZE", help="space to use on MIRROR (200G, 1.5T, bytes)"
         )
@@ -222,8 +222,8 @@ def _parser() -> argparse.ArgumentParser:
         "checks), and with --deep the SHA-256 of all data, both drives read in parallel. Exit 4 when a "
         "copy the mount would use has other data.",
     )
-    ve.add_argument("primary", metavar="PRIMARY")
-    ve.add_argument("mirror", metavar="MIRROR")
+    ve.add_argument("primary", metavar="PRIMARY", help="the model directory (the source of truth)")
+    ve.add_argument("mirror", metavar="MIRROR", help="the directory on the second drive")
     ve.add_argument("--deep", action="store_true", help="compare the data too (reads both copies in full)")
     ve.add_argument("-q", "--quiet", action="store_true", help="no progress")
     ve.add_argument("--json", action="store_true", help="print the rows as JSON")
@@ -235,18 +235,26 @@ def _parser() -> argparse.ArgumentParser:
         "share of bytes vs weights, reads in flight, errors, mirror health, fallbacks, hottest layers. "
         "q or Ctrl-C exits.",
     )
-    tp.add_argument("mountpoint")
+    tp.add_argument("mountpoint", help="a colifs mount point")
     tp.add_argument(
         "--interval", type=float, default=1.0, metavar="S", help="seconds between frames (default: 1)"
     )
     tp.add_argument("--count", type=int, metavar="N", help="draw N frames and exit (for scripts)")
+
+    co = sub.add_parser(
+        "completion",
+        help="print the bash completion script",
+        description="Print a bash completion script for colifs, built from its own options. "
+        "Install: colifs completion > /etc/bash_completion.d/colifs (or source it from ~/.bashrc).",
+    )
+    co.add_argument("shell", choices=["bash"], help="the shell (bash)")
 
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
         description="Show the bytes and reads each drive served through a mount.",
     )
-    s.add_argument("mountpoint")
+    s.add_argument("mountpoint", help="a colifs mount point")
     how_ = s.add_mutually_exclusive_group()
     how_.add_argument("--json", action="store_true", help="print stats.json as it is")
     how_.add_argument(
@@ -269,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "verify": cmd_verify,
             "route": cmd_route,
             "top": cmd_top,
+            "completion": cmd_completion,
         }
         return commands[args.command](args)
     except QuietError as e:
@@ -686,6 +695,16 @@ def cmd_route(args: argparse.Namespace) -> int:
     print(f"  key     {key}")
     print(f"  drive   {answer['drive']} ({answer['path']})")
     print(f"  copies  {', '.join(answer['valid_copies'])}")
+    return 0
+
+
+# -- completion ----------------------------------------------------------------------------------
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    from colifs.completion import bash
+
+    sys.stdout.write(bash(_parser()))
     return 0
 
 
