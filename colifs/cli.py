@@ -717,7 +717,10 @@ def cmd_top(args: argparse.Namespace) -> int:
     if not args.interval > 0 or (args.count is not None and args.count < 1):
         raise UsageError("--interval must be positive and --count at least 1")
     _read_stats(args.mountpoint)  # one clear line now if it is not a mount
-    run(lambda: _read_stats(args.mountpoint), args.interval, args.count)
+    try:
+        run(lambda: _read_stats(args.mountpoint), args.interval, args.count)
+    except KeyboardInterrupt:  # Ctrl-C is how a live view ends, like q
+        print()
     return 0
 
 

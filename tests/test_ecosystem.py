@@ -6,6 +6,7 @@ import os
 import pty
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -247,6 +248,13 @@ def test_top_on_a_live_mount_and_q_quits(model) -> None:
                     break
             os.close(master)
         assert b"\x1b[H\x1b[2J" in seen and b"hottest layers" in seen
+        ctrl_c = subprocess.Popen(
+            [*COLIFS, "top", str(m.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        time.sleep(1.5)
+        ctrl_c.send_signal(signal.SIGINT)
+        out_, err_ = ctrl_c.communicate(timeout=5)
+        assert ctrl_c.returncode == 0 and err_ == b"" and b"hottest layers" in out_
     bad = run_colifs("top", str(primary))
     assert bad.returncode == 3 and bad.stderr.count("\n") == 1
 
