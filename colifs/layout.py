@@ -115,14 +115,16 @@ def _nbytes(name: str, info: object) -> tuple[int, int, list[int]]:
         raise LayoutError(f"tensor {name!r}: entry lacks dtype, shape or data_offsets")
     if dtype not in DTYPE_BITS:
         raise LayoutError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not (isinstance(shape, list) and all(_is_count(d) for d in shape)):
+    if type(shape) is not list:
         raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+    count = 1
+    for d in shape:  # one pass checks and multiplies (94k tensors in a big checkpoint)
+        if type(d) is not int or d < 0:
+            raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
+        count *= d
+    if not (type(offsets) is list and len(offsets) == 2 and _is_count(offsets[0]) and _is_count(offsets[1])):
         raise LayoutError(f"tensor {name!r}: data_offsets is not [begin, end]")
     begin, end = offsets
-    count = 1
-    for d in shape:
-        count *= d
     bits = count * DTYPE_BITS[dtype]
     if end < begin or bits % 8 or bits // 8 != end - begin:
         raise LayoutError(f"tensor {name!r}: data_offsets {offsets} do not match shape {shape} × {dtype}")
@@ -134,10 +136,30 @@ def _is_count(v: object) -> bool:
 
 
 def tensor_key(name: str) -> Key:
-    """The routing key of a one-tensor-per-expert name, else the name itself."""
-    m = _PER_EXPERT.match(name)
-    if m:
-        return ExpertKey(m["stack"], int(m["layer"]), int(m["expert"]))
+    """The routing key of a one-tensor-per-expert name, else the name itself.
+
+    Exactly what `_PER_EXPERT` matches (a property test holds them equal), by splitting on dots:
+    3x faster than the backtracking regex, and a big checkpoint has ~100k names.
+    """
+    if ".experts." not in name:
+        return name
+    parts = name.split(".")
+    at = [i for i in range(2, len(parts) - 2) if parts[i] == "experts" and parts[i + 1].isdecimal()]
+    if not at:
+        return name
+    # Like the regex: the first layer (a number component after a non-empty stack) for which some
+    # "experts.N." follows, the last such one (greedy), with nothing or a non-empty run between;
+    # `.` never matches a newline.
+    stack = parts[0]
+    for j in range(1, at[-1]):
+        if stack and "\n" not in stack and parts[j].isdecimal():
+            for k in reversed(at):
+                if k <= j:
+                    break
+                between = ".".join(parts[j + 1 : k])
+                if k == j + 1 or (between and "\n" not in between):
+                    return ExpertKey(stack, int(parts[j]), int(parts[k + 1]))
+        stack += "." + parts[j]
     return name
 
 
@@ -164,7 +186,8 @@ def parse_header(header: bytes, file_size: int) -> Layout:
         if begin != pos:
             what = "overlaps the previous one" if begin < pos else f"leaves a gap at {pos}"
             raise LayoutError(f"tensor {name!r} at data offset {begin} {what}")
-        fused = _fused_experts(name, shape, end - begin)
+        key = tensor_key(name)
+        fused = None if isinstance(key, ExpertKey) else _fused_experts(name, shape, end - begin)
         if fused:
             stack, layer, n_exp = fused
             step = (end - begin) // n_exp
@@ -173,7 +196,7 @@ def parse_header(header: bytes, file_size: int) -> Layout:
                 keys.append(ExpertKey(stack, layer, e))
         else:
             starts.append(data_start + begin)
-            keys.append(tensor_key(name))
+            keys.append(key)
         pos = end
     if data_start + pos != file_size:
         if data_start + pos > file_size:

@@ -10,7 +10,6 @@ import os
 import signal
 import stat
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -22,14 +21,13 @@ from colifs.errors import MountError, QuietError
 from colifs.formats import format_of
 from colifs.fs import STATS_INO, ColiFS
 from colifs.kernel import Knobs, tune
-from colifs.layout import Key
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
 from colifs.routing import CHUNK, partial_mirror_weights, positions, stripe_rotation
 from colifs.stats import KeepWarnings, Stats
 from colifs.tree import Tree
-from colifs.usage import USAGE_NAME, BadUsageFile, Usage, traffic
+from colifs.usage import USAGE_NAME, BadUsageFile, Usage, key_sizes, traffic
 from colifs.usage import load as load_usage
 from colifs.usage import save as save_usage
 from colifs.workers import DriveWorkers
@@ -140,16 +138,13 @@ def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
         else:
             files[node.ino] = ServedFile(node.relpath, node.st.st_size)
     where = positions(k for f in files.values() if f.layout for k in f.layout.keys)
-    key_bytes: dict[Key, int] = defaultdict(int)
-    for f in files.values():
-        if f.layout is not None:
-            for s, e, k in f.layout.extents():
-                key_bytes[k] += e - s
+    key_bytes = key_sizes(f.layout for f in files.values() if f.layout is not None)
+    # Keys smaller than two chunks stay whole on one drive, in both routing modes.
+    rotation = {k: stripe_rotation(k) if n >= 2 * CHUNK else -1 for k, n in key_bytes.items()}
     for f in files.values():
         if f.layout is not None:
             f.positions = tuple(where[k] for k in f.layout.keys)
-            # Keys smaller than two chunks stay whole on one drive, in both routing modes.
-            f.stripes = tuple(stripe_rotation(k) if key_bytes[k] >= 2 * CHUNK else -1 for k in f.layout.keys)
+            f.stripes = tuple(rotation[k] for k in f.layout.keys)
     return files
 
 

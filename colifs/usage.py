@@ -206,9 +206,11 @@ def read_coli_usage(path: str, key_bytes: Mapping[Key, int], main_stack: str) ->
 def key_sizes(layouts: Iterable[Layout]) -> dict[Key, int]:
     """Bytes of each key over all files (a key may span shards)."""
     out: dict[Key, int] = {}
+    get = out.get
     for layout in layouts:
-        for s, e, k in layout.extents():
-            out[k] = out.get(k, 0) + e - s
+        ends = (*layout.starts[1:], layout.size)
+        for s, e, k in zip(layout.starts, ends, layout.keys, strict=True):
+            out[k] = get(k, 0) + e - s
     return out
 
 

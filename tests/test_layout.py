@@ -197,3 +197,34 @@ def test_pieces_cover_the_request_exactly_each_inside_one_extent(lay, data) -> N
             assert stop <= lay.data_start
         else:
             assert bounds[ext] <= start and stop <= bounds[ext + 1]
+
+
+_PARTS = [
+    "model",
+    "layers",
+    "mtp",
+    "experts",
+    "mlp",
+    "weight",
+    "0",
+    "1",
+    "17",
+    "",
+    "\n",
+    "a\nb",
+    "٣",
+    "²",
+    "e",
+]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.lists(st.sampled_from(_PARTS), min_size=1, max_size=9), st.sampled_from(["", ".", "x."]))
+def test_tensor_key_is_exactly_the_reference_regex(parts: list[str], prefix: str) -> None:
+    """The fast split-based tensor_key agrees with the regex it replaced, on odd names too."""
+    from colifs.layout import _PER_EXPERT, ExpertKey, tensor_key
+
+    name = prefix + ".".join(parts)
+    m = _PER_EXPERT.match(name)
+    want = ExpertKey(m["stack"], int(m["layer"]), int(m["expert"])) if m else name
+    assert tensor_key(name) == want

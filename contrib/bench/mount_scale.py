@@ -3,7 +3,10 @@
 Builds 163 sparse shards whose headers list ~94k tensors (61 layers × 256 experts × 3 projections,
 FP8 weights + scales, plus attention/shared experts), ~690 GB apparent size and a few MB on disk,
 mirrors them, then times `colifs mount` (until it is serving) and `colifs umount`, and reads the
-daemon's RSS. Usage: python contrib/bench/mount_scale.py [WORKDIR]
+daemon's RSS. Then again with a partial mirror (every other shard) and a usage history covering
+every key: the mount computes partial-mirror routing, 1 MiB of every shard is read, and the
+unmount saves the usage (merged into the history file).
+Usage: python contrib/bench/mount_scale.py [WORKDIR]
 """
 
 from __future__ import annotations
@@ -69,6 +72,38 @@ def build(root: Path) -> tuple[int, int]:
     return len(specs), total
 
 
+def write_history(path: Path) -> int:
+    """A usage file with every key of the model, random (seeded) counts: its size in bytes."""
+    import random
+
+    from colifs.layout import tensor_key
+    from colifs.usage import Usage, save
+
+    rng = random.Random(0)
+    u = Usage(runs=12)
+    for name, dtype, shape in tensors():
+        u.count(tensor_key(name), nbytes(dtype, shape) * rng.randint(1, 50))
+    save(str(path), u)
+    return path.stat().st_size
+
+
+def timed_mount(colifs: list[str], dirs: list[Path], mnt: Path, *flags: str) -> tuple[float, dict, int]:
+    """(seconds until serving, stats.json, daemon RSS in KiB), caches dropped first."""
+    subprocess.run(["sync"])
+    if os.access("/proc/sys/vm/drop_caches", os.W_OK):  # headers read from disk, as after a reboot
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [*colifs, "mount", *map(str, dirs), str(mnt), "--no-probe", *flags], capture_output=True, text=True
+    )
+    t = time.monotonic() - t0
+    if done.returncode:
+        raise RuntimeError(done.stderr)
+    st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+    status = Path(f"/proc/{st['pid']}/status").read_text()
+    return t, st, next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+
+
 def main() -> int:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="colifs-scale-"))
     primary, mirror, mnt = work / "p", work / "m", work / "mnt"
@@ -77,23 +112,7 @@ def main() -> int:
         n, total = build(primary)
         build(mirror)  # built the same way: a copy would fill the disk (the holes are not kept)
         mnt.mkdir()
-        subprocess.run(["sync"])
-        cold = os.access("/proc/sys/vm/drop_caches", os.W_OK)
-        if cold:  # headers are read from disk, not from page cache, as after a reboot
-            Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        t0 = time.monotonic()
-        done = subprocess.run(
-            [*colifs, "mount", str(primary), str(mirror), str(mnt), "--no-probe"],
-            capture_output=True,
-            text=True,
-        )
-        t_mount = time.monotonic() - t0
-        if done.returncode:
-            print(done.stderr)
-            return 1
-        st = json.loads((mnt / ".colifs" / "stats.json").read_text())
-        status = Path(f"/proc/{st['pid']}/status").read_text()
-        rss = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+        t_mount, st, rss = timed_mount(colifs, [primary, mirror], mnt)
         t0 = time.monotonic()
         subprocess.run([*colifs, "umount", str(mnt)], check=True)
         t_umount = time.monotonic() - t0
@@ -102,6 +121,23 @@ def main() -> int:
         print(
             f"colifs mount (until serving): {t_mount:.2f} s   umount: {t_umount:.2f} s   "
             f"daemon RSS: {rss / 1024:.0f} MiB"
+        )
+        for p in sorted(mirror.glob("*.safetensors"))[::2]:
+            p.unlink()  # a partial mirror: every other shard
+        history = work / "usage.json"
+        size = write_history(history)
+        t_mount, st, rss = timed_mount(colifs, [primary, mirror], mnt, "--usage-file", str(history))
+        partial = st["partial_mirror"]
+        for p in sorted(primary.glob("*.safetensors")):
+            with open(mnt / p.name, "rb") as f:
+                f.read(1 << 20)
+        t0 = time.monotonic()
+        subprocess.run([*colifs, "umount", str(mnt)], check=True)
+        t_umount = time.monotonic() - t0
+        print(
+            f"partial mirror + usage history of {size / 1e6:.1f} MB: mount {t_mount:.2f} s   umount "
+            f"(saving the usage) {t_umount:.2f} s   daemon RSS: {rss / 1024:.0f} MiB   "
+            f"coverage {partial['coverage']:.1%}"
         )
     finally:
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
