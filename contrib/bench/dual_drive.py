@@ -260,6 +260,57 @@ def partial_study(
     print(f"pi/pp     informed vs plain routing, same mirror   {g['pi'] / g['pp']:.3f}")
 
 
+FAULTFS = Path(__file__).resolve().parents[2] / "tests" / "faultfs.py"
+
+
+def fault_study(
+    args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
+) -> None:
+    """A mirror that fails under load (issue 5): the slow drive is served through the test suite's
+    fault-injecting FUSE pass-through; healthy, then hung, then failing with EIO, each on a fresh
+    mount: how much of the primary's own speed is left, and what the health state says."""
+    a, b = rig.dirs
+    w = f"{args.fast:g},{args.slow:g}"
+    faulty, control = work / "faulty", work / "control"
+    faulty.mkdir()
+    control.write_text("ok")
+    proc = subprocess.Popen([sys.executable, str(FAULTFS), str(b), str(faulty), str(control)])
+    health: dict[str, dict] = {}
+    try:
+        deadline = time.monotonic() + 20
+        while not any(faulty.iterdir()):
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("faultfs did not come up")
+            time.sleep(0.1)
+        for key, mode, label in (
+            ("ff", "ok", "colifs, mirror through faultfs, healthy"),
+            ("fh", "hang", "the same, mirror reads hang (timeout 5 s)"),
+            ("fe", "eio", "the same, mirror reads fail (EIO)"),
+        ):
+            control.write_text("ok")
+            with colifs_mount([a, faulty], mnt, "--weights", w):
+                control.write_text(mode)
+                phase(key, label, [mnt])
+                st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+                health[key] = {**st["replicas"][1]["health"], "fallbacks": st["fallbacks"]}
+                control.write_text("ok")  # let hung reads finish before the unmount
+    finally:
+        control.write_text("ok")
+        proc.terminate()
+        proc.wait()
+        subprocess.run(["fusermount3", "-u", "-z", str(faulty)], capture_output=True)
+    base = res["a"]["gb_per_s"]
+    print()
+    print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; {args.threads} readers, {args.seconds:g} s")
+    cols = f"{'GB/s':>7} {'vs primary':>10} {'state':>6} {'timeouts':>8} {'errors':>6} {'fallbacks':>9}"
+    print(f"{'phase':<46} {cols}")
+    print(f"{'a) ' + res['a']['label']:<46} {base:>7.3f} {1:>10.2f}")
+    for key in ("ff", "fh", "fe"):
+        g, h = res[key]["gb_per_s"], health[key]
+        figures = f"{g:>7.3f} {g / base:>10.2f} {h['state']:>6} {h['timeouts']:>8} {h['errors']:>6}"
+        print(f"{key + ') ' + res[key]['label']:<46} {figures} {h['fallbacks']:>9}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", type=float, default=150, help="MB/s of the fast drive (default 150)")
@@ -288,6 +339,11 @@ def main() -> int:
         "--partial-study",
         action="store_true",
         help="only the partial-mirror study: learn usage, stage a share of the shards, plain vs informed",
+    )
+    p.add_argument(
+        "--fault-study",
+        action="store_true",
+        help="only the fault study: the mirror healthy, hung, failing, through a fault-injecting FUSE",
     )
     p.add_argument("--zipf", type=float, default=1.0, help="skew of the partial study's workload (default 1)")
     p.add_argument(
@@ -348,6 +404,9 @@ def main() -> int:
             return 0
         if args.partial_study:
             partial_study(args, phase, rig, mnt, res, work)
+            return 0
+        if args.fault_study:
+            fault_study(args, phase, rig, mnt, res, work)
             return 0
         phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
         with colifs_mount([a], mnt, "--no-probe"):
