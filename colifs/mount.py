@@ -241,6 +241,13 @@ def serve(
         except BadUsageFile as e:
             saving = False
             log.warning("%s; not updated this run (fix or move it)", e)
+        if saving and not os.access(os.path.dirname(usage_path), os.W_OK | os.X_OK):
+            saving = False  # a read-only model drive is common: say so once, not every minute
+            log.warning(
+                "usage file %s cannot be written there (read-only?); usage is not kept this run "
+                "(--usage-file elsewhere, or --no-usage)",
+                usage_path,
+            )
     probed: list[ProbeResult] = []
     if cfg.weights is None and cfg.probe_seconds > 0 and len(replicas) > 1:
         probed = probe(replicas, list(files.values()), cfg.probe_seconds)

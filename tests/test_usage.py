@@ -184,3 +184,23 @@ def test_a_corrupt_usage_file_is_left_alone(model) -> None:
         read_experts(m.path, expert_ranges(primary), [ExpertKey("model.layers", 1, 0)])
     assert bad.read_text() == "{ not json"  # nothing lost: the user decides
     shutil.rmtree(mnt, ignore_errors=True)
+
+
+def test_a_read_only_primary_is_one_warning_at_mount(tmp_path: Path) -> None:
+    import subprocess
+
+    from colifs.synth import write_checkpoint
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32M", "tmpfs", str(ro)], check=True)
+    try:
+        write_checkpoint(str(ro / "m"), "deepseek", layers=1, experts=4, hidden=128, inter=64, shards=1)
+        subprocess.run(["mount", "-o", "remount,ro", str(ro)], check=True)
+        with mounted(ro / "m", [], tmp_path / "mnt") as m:
+            assert "cannot be written there (read-only?)" in m.stderr
+            assert m.stats()["usage"]["saving"] is False
+            (m.path / "model-00001-of-00001.safetensors").read_bytes()
+            assert "cannot save" not in " ".join(m.stats()["recent_warnings"])
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], check=False)
