@@ -6,7 +6,7 @@ Serves the files of the flat directory SOURCE read-only. Every read looks at the
 `ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them, `hang` holds
 the read until the mode changes (then answers it as the new mode says). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
-at once. Test tool only: it reads CONTROL on the loop thread.
+at once. Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class FaultFS(pyfuse3.Operations):
             mode = self._mode()
         if mode == "eio":
             raise pyfuse3.FUSEError(errno.EIO)
-        data = os.pread(fh, size, off)
+        data = await trio.to_thread.run_sync(os.pread, fh, size, off)  # reads overlap, as on a drive
         return data[: len(data) // 2] if mode == "short" else data
 
     async def release(self, fh: int) -> None:
