@@ -303,3 +303,25 @@ def test_a_mirror_file_changed_after_mount_is_never_served(tmp_path: Path, chang
         st = stats(mnt)
         assert st["files"][target.name]["replicas"] == [str(primary)]
         assert "changed since mount" in st["files"][target.name]["note"]
+
+
+def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) -> None:
+    """The primary itself through the fault-injecting FUSE: EIO to the caller, logged, and the
+    same files read fine again once the drive answers."""
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(primary, tmp_path / "faulty", control),
+        colifs_on(tmp_path / "faulty", source, tmp_path / "mnt") as mnt,
+    ):
+        name = sorted(p.name for p in primary.glob("*.safetensors"))[0]
+        read_all(mnt, primary)
+        control.write_text("eio")
+        with pytest.raises(OSError) as e:
+            read_direct(mnt / name, 0, 1 << 20)  # the header is always the primary's
+        assert e.value.errno == 5
+        st = stats(mnt)
+        assert st["replicas"][0]["read_errors"] >= 1 and "read error" in st["replicas"][0]["last_error"]
+        assert any("primary read error" in w for w in st["recent_warnings"])
+        control.write_text("ok")
+        read_all(mnt, primary)  # still mounted, still right
