@@ -233,7 +233,12 @@ class ColiFS(pyfuse3.Operations):
         if f is None:
             raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
         if name == REPLICAS_XATTR:
-            lines = [f"{self.reader.replicas[i].role} {self.reader.replicas[i].root}" for i in f.replicas]
+            checked = " (data SHA-256-checked: colifs stage receipt)"
+            lines = [
+                f"{self.reader.replicas[i].role} {self.reader.replicas[i].root}"
+                + (checked if i in f.vouched else "")
+                for i in f.replicas
+            ]
             return ("\n".join(lines) + "\n").encode()
         if name.startswith(ROUTE_XATTR):
             try:

@@ -25,6 +25,7 @@ from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
 from colifs.routing import CHUNK, partial_mirror_weights, positions, stripe_rotation
+from colifs.stage import load_receipt, receipt_vouches
 from colifs.stats import KeepWarnings, Stats
 from colifs.tree import Tree
 from colifs.usage import USAGE_NAME, BadUsageFile, Usage, key_sizes, traffic
@@ -137,6 +138,7 @@ def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
             files[node.ino] = validate(os.path.join(tree.root, node.relpath), node.relpath, replicas, fmt)
         else:
             files[node.ino] = ServedFile(node.relpath, node.st.st_size)
+    _vouch(files, tree, replicas)
     where = positions(k for f in files.values() if f.layout for k in f.layout.keys)
     key_bytes = key_sizes(f.layout for f in files.values() if f.layout is not None)
     # Keys smaller than two chunks stay whole on one drive, in both routing modes.
@@ -146,6 +148,19 @@ def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
             f.positions = tuple(where[k] for k in f.layout.keys)
             f.stripes = tuple(rotation[k] for k in f.layout.keys)
     return files
+
+
+def _vouch(files: dict[int, ServedFile], tree: Tree, replicas: list[Replica]) -> None:
+    """Mark the mirror copies a `colifs stage` receipt still vouches for (data SHA-256-checked)."""
+    for r in replicas[1:]:
+        receipt = load_receipt(r.root)
+        if not receipt:
+            continue
+        for ino, f in files.items():
+            if r.index in f.replicas and receipt_vouches(
+                receipt.get(f.relpath), f.size, tree.nodes[ino].st.st_mtime_ns, f.identities[r.index][3]
+            ):
+                f.vouched += (r.index,)
 
 
 def _usage_path(cfg: MountConfig, replicas: list[Replica]) -> str:

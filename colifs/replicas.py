@@ -55,6 +55,7 @@ class ServedFile:
     positions: tuple[float, ...] = field(default=())
     stripes: tuple[int, ...] = field(default=())
     identities: dict[int, Identity] = field(default_factory=dict)  # per valid mirror, at mount
+    vouched: tuple[int, ...] = ()  # mirrors whose `colifs stage` receipt still vouches for its data
 
     def drop(self, replica: int, why: str) -> None:
         """Stop using a mirror for this file (it changed after mount); notes say why."""

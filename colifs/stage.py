@@ -177,21 +177,34 @@ def write_receipt(mirror: str, primary: str, entries: Sequence[dict]) -> None:
     _fsync_dir(mirror)
 
 
-def _entry(primary: str, relpath: str, size: int, digest: str) -> dict:
-    st = os.stat(os.path.join(primary, relpath))
-    return {"path": relpath, "size": size, "sha256": digest, "primary_mtime_ns": st.st_mtime_ns}
+def _entry(primary: str, mirror: str, relpath: str, size: int, digest: str) -> dict:
+    p, m = os.stat(os.path.join(primary, relpath)), os.stat(os.path.join(mirror, relpath))
+    return {
+        "path": relpath,
+        "size": size,
+        "sha256": digest,
+        "primary_mtime_ns": p.st_mtime_ns,
+        "mirror_mtime_ns": m.st_mtime_ns,
+    }
+
+
+def receipt_vouches(entry: dict | None, size: int, primary_mtime_ns: int, mirror_mtime_ns: int) -> bool:
+    """Both copies are still the ones whose SHA-256s matched when the receipt was written."""
+    return (
+        entry is not None
+        and bool(entry.get("sha256"))
+        and entry.get("size") == size
+        and entry.get("primary_mtime_ns") == primary_mtime_ns
+        and entry.get("mirror_mtime_ns") == mirror_mtime_ns
+    )
 
 
 def _known(entry: dict | None, primary: str, mirror: str, s: Shard) -> str | None:
-    """The SHA-256 an earlier receipt gives for a present shard, if both copies still look the same."""
-    if entry is None or entry.get("size") != s.size:
-        return None
+    """The SHA-256 an earlier receipt gives for a present shard, if both copies are unchanged."""
     p, m = os.stat(os.path.join(primary, s.relpath)), os.stat(os.path.join(mirror, s.relpath))
-    return (
-        entry.get("sha256")
-        if entry.get("primary_mtime_ns") == p.st_mtime_ns and m.st_size == s.size
-        else None
-    )
+    if m.st_size != s.size or not receipt_vouches(entry, s.size, p.st_mtime_ns, m.st_mtime_ns):
+        return None
+    return entry["sha256"] if entry else None
 
 
 @dataclass
@@ -231,7 +244,7 @@ def stage(
         progress.note = s.relpath
         digest = copy_shard(primary, mirror, s.relpath, progress)
         copied.append(s.relpath)
-        entries.append(_entry(primary, s.relpath, s.size, digest))
+        entries.append(_entry(primary, mirror, s.relpath, s.size, digest))
     progress.finish()
     kept = [s for s in selected if s.present]
     unknown = [s for s in kept if _known(old.get(s.relpath), primary, mirror, s) is None]
@@ -245,7 +258,7 @@ def stage(
                     f"{os.path.join(mirror, s.relpath)} has the primary's header but other data; not "
                     "touched and no receipt written (see colifs verify --deep)"
                 ).with_code(EXIT_DIFFERS)
-        entries.append(_entry(primary, s.relpath, s.size, digest))
+        entries.append(_entry(primary, mirror, s.relpath, s.size, digest))
     if unknown:
         check.finish()
     write_receipt(mirror, primary, entries)

@@ -102,7 +102,11 @@ class Stats:
             "usage": self.usage,
             "partial_mirror": self.partial,
             "files": {
-                f.relpath: {"replicas": [self.replicas[i].root for i in f.replicas], "note": f.note}
+                f.relpath: {
+                    "replicas": [self.replicas[i].root for i in f.replicas],
+                    "vouched_by_receipt": [self.replicas[i].root for i in f.vouched if i in f.replicas],
+                    "note": f.note,
+                }
                 for f in files
                 if f.is_model
             },

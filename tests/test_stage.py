@@ -125,6 +125,18 @@ def test_stage_copies_the_plan_resumes_and_verify_deep_catches_one_byte(tmp_path
     again = run_colifs("stage", str(primary), str(mirror), "--budget", budget, "-q")
     assert again.returncode == 0 and "staged 0 shard(s)" in again.stdout and again.stderr.count("\n") == 1
     assert snapshot(primary) == before  # the primary is never touched
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        files = m.stats()["files"]
+        assert {n for n, f in files.items() if f["vouched_by_receipt"] == [str(mirror)]} == set(HOT)
+        assert "SHA-256-checked" in os.getxattr(m.path / HOT[0], "user.colifs.replicas").decode()
+    os.utime(mirror / HOT[0])  # touched since the receipt: no longer vouched for (still used)
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        files = m.stats()["files"]
+        assert files[HOT[0]]["vouched_by_receipt"] == [] and files[HOT[0]]["replicas"] == [
+            str(primary),
+            str(mirror),
+        ]
+        assert files[HOT[1]]["vouched_by_receipt"] == [str(mirror)]
     ok = run_colifs("verify", str(primary), str(mirror), "--deep", "-q")
     assert ok.returncode == 0 and "2 ok" in ok.stdout and "6 missing" in ok.stdout
     target = mirror / HOT[1]
