@@ -10,6 +10,7 @@ import os
 import signal
 import stat
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -24,7 +25,7 @@ from colifs.kernel import Knobs, tune
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
-from colifs.routing import CHUNK, partial_mirror_weights, positions, stripe_rotation
+from colifs.routing import CHUNK, balanced_weights, expected_shares, positions, stripe_rotation
 from colifs.stage import load_receipt, receipt_vouches
 from colifs.stats import KeepWarnings, Stats
 from colifs.tree import Tree
@@ -186,21 +187,26 @@ def _hide_usage(usage_path: str | None, root: str) -> Callable[[str], bool]:
 def _partial_routing(
     files: dict[int, ServedFile], weights: list[float], history: Usage
 ) -> tuple[list[float], dict | None]:
-    """Weights for the files a partial mirror holds, so that bytes split as the weights say."""
+    """Weights such that, with partial mirrors, the bytes split as the weights say (as far as the
+    copies allow), from the traffic in the usage history. None when every mirror is full."""
     layouts = {f.relpath: f.layout for f in files.values() if f.layout is not None}
     expected = traffic(layouts, history)
-    total = sum(expected.values())
-    held = sum(expected[f.relpath] for f in files.values() if f.layout is not None and 1 in f.replicas)
-    if total <= 0 or held >= total or held <= 0:
-        return weights, None  # a full mirror (plain weights are right) or no known traffic on it
-    coverage = held / total
-    boosted, share = partial_mirror_weights(weights, coverage)
-    return boosted, {
-        "coverage": coverage,
+    by_set: dict[tuple[int, ...], float] = defaultdict(float)
+    for f in files.values():
+        if f.layout is not None:
+            by_set[f.replicas] += expected[f.relpath]
+    total = sum(by_set.values())
+    full = tuple(range(len(weights)))
+    if total <= 0 or by_set.get(full, 0.0) >= total:
+        return weights, None  # full mirrors: plain weights are right (or nothing was ever read)
+    balanced = balanced_weights(weights, by_set)
+    scale = weights[0] / balanced[0] if balanced[0] > 1e-9 else sum(weights)
+    return [w * scale for w in balanced], {
+        "coverage": [sum(t for s, t in by_set.items() if i in s) / total for i in range(len(weights))],
         "plain_weights": weights,
-        "weights_for_held_files": boosted,
-        "predicted_byte_share": [1 - share, share],
-        "plain_byte_share": [1 - coverage * weights[1] / sum(weights), coverage * weights[1] / sum(weights)],
+        "weights_for_held_files": [w * scale for w in balanced],
+        "predicted_byte_share": expected_shares(balanced, by_set),
+        "plain_byte_share": expected_shares(weights, by_set),
     }
 
 
@@ -283,13 +289,13 @@ def serve(
     log.addHandler(KeepWarnings(stats))
     log.info("%s", describe(replicas, cfg.weights_source, files))
     weights = [r.weight for r in replicas]
-    if len(replicas) == 2 and history:
+    if len(replicas) > 1 and history:
         weights, stats.partial = _partial_routing(files, weights, history)
         if stats.partial is not None:
             log.info(
-                "partial mirror: it holds %.0f%% of the traffic in the usage history; weights %s for the "
-                "files it holds; expected byte split %s",
-                100 * stats.partial["coverage"],
+                "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
+                "expected byte split %s",
+                " / ".join(f"{100 * x:.0f}%" for x in stats.partial["coverage"][1:]),
                 ":".join(f"{w:.3g}" for w in weights),
                 " / ".join(f"{100 * x:.0f}%" for x in stats.partial["predicted_byte_share"]),
             )

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from colifs.layout import ExpertKey, Key
 
@@ -116,23 +116,40 @@ def stripe_rotation(key: Key, slots: int = STRIPE_SLOTS) -> int:
     return digest(key) % slots
 
 
-# -- a partial mirror: keys it holds get more than the plain weights --------------------------------
+# -- partial mirrors: keys they hold get more than the plain weights --------------------------------
 
 
-def partial_mirror_weights(weights: Sequence[float], coverage: float) -> tuple[list[float], float]:
-    """Weights for the files a partial mirror holds, and the mirror's expected share of all bytes.
+def expected_shares(weights: Sequence[float], traffic: Mapping[tuple[int, ...], float]) -> list[float]:
+    """Each drive's expected share of the bytes when every file is split by `weights` restricted
+    to the replicas holding it; `traffic` is the traffic per set of replicas."""
+    total = sum(traffic.values())
+    got = [0.0] * len(weights)
+    for held, t in traffic.items():
+        w = sum(weights[i] for i in held)
+        for i in held:
+            got[i] += t * weights[i] / w
+    return [g / total for g in got] if total else got
 
-    `coverage` is the share of the traffic (from usage history) that falls in keys the mirror
-    holds. Plain weights give the mirror only coverage x its share; raising its share among the
-    keys it holds to share / coverage makes the expected byte split match the weights, capped at
-    every held key (the primary then serves none of them). Two replicas only; the primary's
-    weight may come out 0 (pick() then never picks it for those files).
+
+def balanced_weights(
+    weights: Sequence[float], traffic: Mapping[tuple[int, ...], float], rounds: int = 500
+) -> list[float]:
+    """One weight per replica such that, with each file split among the replicas holding it, the
+    expected bytes per drive come as close to `weights`' shares as the copies allow.
+
+    Plain weights give a mirror holding a share c of the traffic only c x its weight share; here
+    its weight rises until its bytes reach its share, or until it serves every key it holds (a
+    cap: then the primary's weight on those files tends to 0). Iterative proportional fitting:
+    each round scales every weight by target / expected; deterministic for given inputs. With
+    full copies the weights come back unchanged.
     """
-    w0, w1 = weights
-    share = w1 / (w0 + w1)
-    if coverage <= 0:
-        return [w0, w1], 0.0
-    held = min(1.0, share / coverage)  # the mirror's share among the keys it holds
-    if held >= 1.0:
-        return [0.0, w1], coverage
-    return [w0 * (1 - held), w0 * held], held * coverage
+    target = [w / sum(weights) for w in weights]
+    v = list(target)
+    for _ in range(rounds):
+        got = expected_shares(v, traffic)
+        if max(abs(g - t) for g, t in zip(got, target, strict=True)) < 1e-6:
+            break
+        v = [x * (t / g) if g > 0 else x for x, t, g in zip(v, target, got, strict=True)]
+        norm = sum(v)
+        v = [max(x / norm, 1e-12) for x in v]  # kept positive: a drive never vanishes entirely
+    return v

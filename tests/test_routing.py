@@ -146,3 +146,31 @@ def test_stripe_sequence_and_rotation_are_deterministic() -> None:
     )
     rotations = {stripe_rotation(ExpertKey("model.layers", 0, e)) for e in range(64)}
     assert len(rotations) > 30  # experts of one layer start at different places
+
+
+# -- partial mirrors ---------------------------------------------------------------------------------
+
+
+def test_balanced_weights_for_one_partial_mirror_match_the_closed_form() -> None:
+    from colifs.routing import balanced_weights, expected_shares
+
+    for w0, w1, held in [(1, 1, 0.8), (3, 1, 0.5), (9, 3, 0.3), (1, 1, 0.3), (2, 1, 0.9)]:
+        traffic = {(0, 1): held, (0,): 1 - held}
+        v = balanced_weights([w0, w1], traffic)
+        share = w1 / (w0 + w1)
+        among_held = min(1.0, share / held)  # the mirror's share of the keys it holds
+        assert v[1] / (v[0] + v[1]) == pytest.approx(among_held, abs=1e-4)
+        assert expected_shares(v, traffic)[1] == pytest.approx(min(share, held), abs=1e-4)
+
+
+def test_balanced_weights_leave_full_copies_alone_and_handle_several_partial_mirrors() -> None:
+    from colifs.routing import balanced_weights, expected_shares
+
+    v = balanced_weights([5, 3, 2], {(0, 1, 2): 1.0})
+    assert [x / sum(v) for x in v] == pytest.approx([0.5, 0.3, 0.2], abs=1e-6)
+    # two mirrors holding different, overlapping parts: the targets are reachable, so reached
+    traffic = {(0, 1, 2): 0.3, (0, 1): 0.3, (0, 2): 0.2, (0,): 0.2}
+    v = balanced_weights([2, 1, 1], traffic)
+    assert expected_shares(v, traffic) == pytest.approx([0.5, 0.25, 0.25], abs=1e-4)
+    # deterministic
+    assert balanced_weights([2, 1, 1], traffic) == v

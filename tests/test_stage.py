@@ -230,7 +230,7 @@ def test_partial_mirror_routing_moves_the_byte_split_toward_the_weights(tmp_path
     assert abs(informed - 0.5) < abs(plain - 0.5) and abs(informed - 0.5) < 0.05, shares
     assert partial["predicted_byte_share"][1] == pytest.approx(informed, abs=0.05)
     assert (
-        partial["coverage"] > 0.6
+        partial["coverage"][1] > 0.6
         and partial["weights_for_held_files"][1] > partial["weights_for_held_files"][0]
     )
 
@@ -254,3 +254,26 @@ def test_sizes(text: str, size: int) -> None:
 def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
     out = run_colifs("plan", str(tmp_path), str(tmp_path), "--budget", "lots")
     assert out.returncode == 2 and out.stderr.count("\n") == 1
+
+
+def test_two_partial_mirrors_split_the_bytes_as_the_weights_say(tmp_path: Path) -> None:
+    primary, ranges, hot, cold = skewed_model(tmp_path, hidden=128, inter=64, experts=64)
+    m1, m2 = tmp_path / "m1", tmp_path / "m2"
+    for mirror, names in ((m1, [HOT[0]]), (m2, [HOT[1], "model-00001-of-00008.safetensors"])):
+        mirror.mkdir()
+        for name in names:
+            (mirror / name).write_bytes((primary / name).read_bytes())
+    usage = tmp_path / "usage.json"
+    learn_usage(primary, ranges, hot, cold, tmp_path / "mnt", "--usage-file", str(usage))
+    with mounted(primary, [m1, m2], tmp_path / "mnt", "--weights", "2,1,1", "--usage-file", str(usage)) as m:
+        read_experts(m.path, ranges, hot, times=10)
+        read_experts(m.path, ranges, cold)
+        st = m.stats()
+    served = [r["bytes_served"] for r in st["replicas"]]
+    actual = [b / sum(served) for b in served]
+    predicted = st["partial_mirror"]["predicted_byte_share"]
+    print(f"\nthree drives 2:1:1, partial mirrors: predicted {predicted}, actual {actual}")
+    assert predicted == pytest.approx([0.5, 0.25, 0.25], abs=0.01)  # reachable, so reached
+    assert actual == pytest.approx(predicted, abs=0.06)
+    plain = st["partial_mirror"]["plain_byte_share"]
+    assert plain[1] < 0.2 and plain[2] < 0.2  # what plain weights would have given the mirrors
