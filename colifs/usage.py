@@ -208,7 +208,7 @@ def key_sizes(layouts: Iterable[Layout]) -> dict[Key, int]:
     out: dict[Key, int] = {}
     get = out.get
     for layout in layouts:
-        ends = (*layout.starts[1:], layout.size)
+        ends = (*layout.starts[1:], layout.size) if layout.starts else ()  # a file may hold no tensor
         for s, e, k in zip(layout.starts, ends, layout.keys, strict=True):
             out[k] = get(k, 0) + e - s
     return out

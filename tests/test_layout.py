@@ -228,3 +228,13 @@ def test_tensor_key_is_exactly_the_reference_regex(parts: list[str], prefix: str
     m = _PER_EXPERT.match(name)
     want = ExpertKey(m["stack"], int(m["layer"]), int(m["expert"])) if m else name
     assert tensor_key(name) == want
+
+
+def test_key_sizes_of_a_file_without_tensors() -> None:
+    """A valid zero-tensor file (it crashed the mount once, and key_sizes once more)."""
+    from colifs.layout import parse_header
+    from colifs.usage import key_sizes
+
+    text = json.dumps({"__metadata__": {"a": "b"}}).encode()
+    layout = parse_header(struct.pack("<Q", len(text)) + text, 8 + len(text))
+    assert layout.starts == () and key_sizes([layout]) == {}

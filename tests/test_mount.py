@@ -206,7 +206,11 @@ def test_partial_and_divergent_mirror_files_are_served_from_the_primary(tmp_path
             line = next(x for x in m.stderr.splitlines() if name in x)
             assert "warning" in line and str(mirror) in line and reason in line
         st = m.stats()
-        assert st["files"][s4] == {"replicas": [str(primary), str(mirror)], "note": ""}
+        assert st["files"][s4] == {
+            "replicas": [str(primary), str(mirror)],
+            "vouched_by_receipt": [],
+            "note": "",
+        }
         for name, reason in ((s1, "missing"), (s2, "header differs"), (s3, "size differs")):
             assert st["files"][name]["replicas"] == [str(primary)]
             assert reason in st["files"][name]["note"]
