@@ -1,7 +1,9 @@
 """`make demo`: a synthetic MoE model on two directories, mounted, read with a real loader, unmounted.
 
 The mirror lacks one shard on purpose (a partial second drive is normal): that shard is served from
-the primary only, with one warning at mount.
+the primary only, with one warning at mount. The mount learns the usage; `colifs plan` and
+`colifs stage` then put the missing shard on the mirror, `colifs verify --deep` checks every byte,
+and a second mount serves all shards from both drives; `colifs route` shows where one byte goes.
 """
 
 from __future__ import annotations
@@ -56,9 +58,26 @@ def main() -> int:
         print((mnt / ".colifs" / "stats").read_text(), end="")
         step(f"colifs stats {mnt}")
         subprocess.run([*COLIFS, "stats", str(mnt)], check=True)
+        step(f"colifs umount {mnt}   (the usage it learned goes to {fast}/.colifs-usage.json)")
+        subprocess.run([*COLIFS, "umount", str(mnt)], check=True)
+        budget = str(size * 2)
+        step(f"colifs plan {fast} {second} --budget {budget} --weights 3,1")
+        subprocess.run(
+            [*COLIFS, "plan", str(fast), str(second), "--budget", budget, "--weights", "3,1"], check=True
+        )
+        step(f"colifs stage {fast} {second} --budget {budget}")
+        subprocess.run([*COLIFS, "stage", str(fast), str(second), "--budget", budget], check=True)
+        step(f"colifs verify {fast} {second} --deep")
+        subprocess.run([*COLIFS, "verify", str(fast), str(second), "--deep", "-q"], check=True)
+        step(f"colifs mount {fast} {second} {mnt} --weights 3,1   (now every shard on both)")
+        subprocess.run([*COLIFS, "mount", str(fast), str(second), str(mnt), "--weights", "3,1"], check=True)
+        shard = mnt / Path(paths[2]).name
+        step(f"colifs route {shard.name} 1048576")
+        subprocess.run([*COLIFS, "route", str(shard), "1048576"], check=True)
     finally:
         step(f"colifs umount {mnt}")
-        subprocess.run([*COLIFS, "umount", str(mnt)])
+        if mnt.is_mount():
+            subprocess.run([*COLIFS, "umount", str(mnt)])
         shutil.rmtree(work)
     return 0
 
