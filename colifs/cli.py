@@ -751,6 +751,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
             f" {r['byte_share']:>6.0%} {r['reads']:>9} {r['read_errors']:>6}  {state}"
         )
     print(f"fallbacks {data['fallbacks']}")
+    partial = data.get("partial_mirror")
+    if partial:
+        split = " / ".join(f"{x:.1%}" for x in partial["predicted_byte_share"])
+        plain = " / ".join(f"{x:.1%}" for x in partial["plain_byte_share"])
+        actual = " / ".join(f"{r['byte_share']:.1%}" for r in data["replicas"])
+        print(f"partial mirror(s), from the usage history: byte split expected {split} (plain weights "
+              f"would give {plain}), actual {actual}")  # fmt: skip
+    usage = data.get("usage") or {}
+    if usage.get("file"):
+        state = "kept" if usage.get("saving") else "not kept this run"
+        print(f"usage: {usage['file']} ({state}; last saved {usage.get('last_saved') or 'not yet'})")
     notes = {name: f["note"] for name, f in data["files"].items() if f["note"]}
     for name, note in sorted(notes.items()):
         print(f"note: {name}: {note}")

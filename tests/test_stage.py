@@ -269,6 +269,8 @@ def test_two_partial_mirrors_split_the_bytes_as_the_weights_say(tmp_path: Path) 
         read_experts(m.path, ranges, hot, times=10)
         read_experts(m.path, ranges, cold)
         st = m.stats()
+        table = run_colifs("stats", str(m.path)).stdout
+        assert "byte split expected 50.0% / 25.0% / 25.0%" in table and "usage: " in table
     served = [r["bytes_served"] for r in st["replicas"]]
     actual = [b / sum(served) for b in served]
     predicted = st["partial_mirror"]["predicted_byte_share"]
