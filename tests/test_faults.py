@@ -182,7 +182,8 @@ def daemon_fds_and_rss(pid: int) -> tuple[int, int]:
 
 
 def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
-    """Bounded in CI (COLIFS_SOAK_SECONDS, default 20); longer by setting it."""
+    """Bounded in CI (COLIFS_SOAK_SECONDS, default 20); longer by setting it. The mirror flips
+    between healthy, EIO, short reads and hung reads."""
     import mmap as mmap_mod
     import random
     import threading
@@ -193,7 +194,8 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
     want = {p.name: p.read_bytes() for p in sorted(primary.glob("*.safetensors"))}
     with (
         faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
+        # a short timeout, so that the 0.4 s hangs below do time out (given-up reads, fresh buffers)
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--mirror-timeout", "0.2") as mnt,
     ):
         pid = stats(mnt)["pid"]
         fds0, rss0 = daemon_fds_and_rss(pid)
@@ -203,7 +205,9 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
         lock = threading.Lock()
 
         def flip() -> None:
-            modes = ["ok", "eio", "ok", "short"]
+            modes = (
+                ["ok"] * 3 + ["eio"] + ["ok"] * 3 + ["short"] + ["ok"] * 3 + ["hang"]
+            )  # back up between faults
             k = 0
             while time.monotonic() < stop:
                 control.write_text(modes[k % len(modes)])
@@ -250,13 +254,15 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
             time.sleep(0.1)  # FUSE releases arrive just after the last close
         fds1, rss1 = daemon_fds_and_rss(pid)
         st = stats(mnt)
+        health = st["replicas"][1]["health"]
         print(
             f"\nsoak {seconds:g} s: {counts['reads']} reads, {counts['bytes'] / 1e9:.2f} GB, "
-            f"{counts['mismatches']} mismatches, fallbacks {st['fallbacks']}, "
+            f"{counts['mismatches']} mismatches, fallbacks {st['fallbacks']}, mirror timeouts "
+            f"{health['timeouts']}, times down {health['times_down']}, "
             f"daemon fds {fds0} -> {fds1}, RSS {rss0 / 2**20:.0f} -> {rss1 / 2**20:.0f} MiB"
         )
         assert errors == [] and counts["mismatches"] == 0
-        assert counts["reads"] > 1000 and st["fallbacks"] > 0
+        assert counts["reads"] > 1000 and st["fallbacks"] > 0 and health["timeouts"] > 0
         assert fds1 == fds0  # every descriptor opened for the readers was closed again
         assert rss1 - rss0 < 200 * 2**20  # bounded: at most the buffer pool (128 x 1 MiB) and caches
 
