@@ -1,5 +1,6 @@
 # Both targets set up everything they need on a fresh Debian/Ubuntu machine:
-# FUSE 3 (runtime + headers, pyfuse3 compiles against them) and a venv in .venv.
+# FUSE 3 (runtime + headers: pyfuse3 and colifs' native engine compile against them), a C compiler,
+# Python's headers, and a venv in .venv.
 VENV ?= .venv
 STAMP := $(VENV)/.installed
 # Real GGUF files nobody here wrote: llama.cpp's vocabulary models, from the llama-cpp-python sdist.
@@ -21,14 +22,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check colifs tests contrib
 	$(VENV)/bin/ruff format --check colifs tests contrib
 
+PY_HEADERS := python3 -c "import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"
+
 sysdeps:
-	@if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null; then \
+	@if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null \
+			|| ! command -v gcc >/dev/null || ! $(PY_HEADERS); then \
 		$(SUDO) apt-get update -qq && \
-		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config; \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config \
+			gcc python3-dev python3-venv; \
 	fi
 	@[ -e /dev/fuse ] || { echo "error: /dev/fuse is missing (modprobe fuse)"; exit 1; }
 
-$(STAMP): pyproject.toml | sysdeps
+# The native engine is compiled by the install: a change to its sources installs again.
+$(STAMP): pyproject.toml setup.py $(wildcard native/*.c native/*.h) | sysdeps
 	python3 -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 from typing import Protocol
 
@@ -92,3 +93,35 @@ class OsIO:
     def close(self, fd: int) -> None:
         self._direct_fds.discard(fd)
         os.close(fd)
+
+
+class Changed(Exception):
+    """A mirror copy is no longer the file validated at mount."""
+
+
+def what_changed(before: tuple[int, int, int, int], now: tuple[int, int, int, int]) -> str:
+    names = ("device", "inode", "size", "mtime")
+    return ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, before, now, strict=True) if a != b)
+
+
+def open_checked(io: BackingIO, path: str, expect: tuple[int, int, int, int]) -> int:
+    """Open a mirror copy, if it is still the one validated at mount (blocks)."""
+    fd = io.open(path)
+    now = io.identity(fd)
+    if now != expect:
+        io.close(fd)
+        raise Changed(what_changed(expect, now))
+    return fd
+
+
+def check_read(io: BackingIO, path: str, expect: tuple[int, int, int, int], offset: int) -> None:
+    """A down mirror's health check: open, read one block, close (blocks; its own buffer, so it
+    may be given up on)."""
+    fd = open_checked(io, path, expect)
+    try:
+        buf = mmap.mmap(-1, BLOCK)
+        want = min(BLOCK, expect[2] - offset)
+        if io.pread_into(fd, memoryview(buf), offset) < want:
+            raise OSError(errno.EIO, f"short read at {offset}")
+    finally:
+        io.close(fd)

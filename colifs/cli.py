@@ -80,6 +80,21 @@ def _parser() -> argparse.ArgumentParser:
         "weights' ratio, so even one reader uses every drive; expert: each expert from one drive",
     )
     m.add_argument(
+        "--engine",
+        choices=["native", "pyfuse3"],
+        default="native",
+        help="native (default): a C data path on libfuse's multi-threaded loop, no Python per read; "
+        "pyfuse3: the portable reference engine (one Python thread)",
+    )
+    m.add_argument(
+        "--fuse-threads",
+        type=int,
+        default=16,
+        metavar="N",
+        help="native engine: threads taking requests from the kernel (primary reads run on them; "
+        "default: 16)",
+    )
+    m.add_argument(
         "--backing-io",
         choices=["direct", "buffered"],
         default="direct",
@@ -312,8 +327,8 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         source = "default (equal)"
     else:
         source = "probed"
-    if args.threads_per_drive < 1:
-        raise UsageError("--threads-per-drive must be at least 1")
+    if args.threads_per_drive < 1 or args.fuse_threads < 1:
+        raise UsageError("--threads-per-drive and --fuse-threads must be at least 1")
     if not args.usage_interval > 0:
         raise UsageError("--usage-interval must be a positive number of seconds")
     if not args.mirror_timeout >= 0:
@@ -334,6 +349,8 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
         routing=args.routing,
+        engine=args.engine,
+        fuse_threads=args.fuse_threads,
         knobs=knobs,
         allow_other=args.allow_other,
         mirror_timeout=args.mirror_timeout or None,

@@ -4,15 +4,18 @@ clean unmount on SIGTERM/SIGINT or an external `fusermount3 -u`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import logging
 import os
 import signal
 import stat
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import pyfuse3
 import trio
@@ -20,8 +23,10 @@ import trio
 from colifs.backing import BackingIO, OsIO
 from colifs.errors import MountError, QuietError
 from colifs.formats import format_of
-from colifs.fs import STATS_INO, ColiFS
+from colifs.fs import ColiFS
 from colifs.kernel import Knobs, tune
+from colifs.namespace import STATS_INO, Namespace
+from colifs.native import NativeCounters, NativeEngine, key_table, mount_options
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
@@ -57,6 +62,8 @@ class MountConfig:
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
+    engine: str = "native"  # or "pyfuse3": the portable reference engine
+    fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
     knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
     allow_other: bool = False
     mirror_timeout: float | None = 5.0  # a mirror read unanswered after this is re-read from the primary
@@ -210,14 +217,20 @@ def _partial_routing(
     }
 
 
-async def _keep_usage(reader: Reader, interval: float) -> None:
+class UsageSource(Protocol):
+    """Where the served usage accumulates: the pyfuse3 reader, or the native engine's counters."""
+
+    def take_usage(self) -> Usage: ...
+
+    def restore_usage(self, usage: Usage) -> None: ...
+
+
+async def _keep_usage(source: UsageSource, stats: Stats, interval: float) -> None:
     while True:
         await trio.sleep(interval)
-        if reader.usage:
-            # Swapped on the loop's thread (where reads count), written on another.
-            pending, reader.usage = reader.usage, Usage()
-            if not await trio.to_thread.run_sync(_write_usage, reader.stats, pending):
-                reader.usage.add(pending)
+        pending = source.take_usage()  # on the loop's thread; written on another
+        if pending and not await trio.to_thread.run_sync(_write_usage, stats, pending):
+            source.restore_usage(pending)
 
 
 def _write_usage(stats: Stats, pending: Usage) -> bool:
@@ -275,7 +288,11 @@ def serve(
         for line in table(probed).splitlines():
             log.info("probe: %s", line)
         replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]
-    stats = Stats(replicas, cfg.weights_source, mnt)
+    native = cfg.engine == "native"
+    keys = key_table(list(files.values())) if native else []
+    counters = NativeCounters(len(replicas), keys, list(files.values())) if native else None
+    stats = Stats(replicas, cfg.weights_source, mnt, counters)
+    stats.engine = cfg.engine
     stats.probe = [
         {
             "path": p.replica.root,
@@ -286,85 +303,167 @@ def serve(
         }
         for p in probed
     ]
-    log.addHandler(KeepWarnings(stats))
-    log.info("%s", describe(replicas, cfg.weights_source, files))
-    weights = [r.weight for r in replicas]
-    if len(replicas) > 1 and history:
-        weights, stats.partial = _partial_routing(files, weights, history)
-        if stats.partial is not None:
-            log.info(
-                "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
-                "expected byte split %s",
-                " / ".join(f"{100 * x:.0f}%" for x in stats.partial["coverage"][1:]),
-                ":".join(f"{w:.3g}" for w in weights),
-                " / ".join(f"{100 * x:.0f}%" for x in stats.partial["predicted_byte_share"]),
-            )
-    stats.usage = {"file": usage_path, "saving": saving, "history_runs": history.runs, "last_saved": None}
-    log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
+    keep = KeepWarnings(stats)
+    log.addHandler(keep)
+    try:
+        log.info("%s", describe(replicas, cfg.weights_source, files))
+        weights = [r.weight for r in replicas]
+        if len(replicas) > 1 and history:
+            weights, stats.partial = _partial_routing(files, weights, history)
+            if stats.partial is not None:
+                log.info(
+                    "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
+                    "expected byte split %s",
+                    " / ".join(f"{100 * x:.0f}%" for x in stats.partial["coverage"][1:]),
+                    ":".join(f"{w:.3g}" for w in weights),
+                    " / ".join(f"{100 * x:.0f}%" for x in stats.partial["predicted_byte_share"]),
+                )
+        stats.usage = {"file": usage_path, "saving": saving, "history_runs": history.runs, "last_saved": None}
+        stats.routing = cfg.routing
+        log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
+        options = mount_options(cfg.allow_other, cfg.fuse_options)
+        if counters is not None:
+            _serve_native(cfg, mnt, tree, files, stats, counters, weights, options, saving, on_ready)
+        else:
+            _serve_pyfuse3(cfg, mnt, tree, files, stats, weights, options, saving, on_ready, io)
+    finally:
+        log.removeHandler(keep)
+    log.debug("unmounted %s", mnt)
+
+
+def _serve_pyfuse3(
+    cfg: MountConfig,
+    mnt: str,
+    tree: Tree,
+    files: dict[int, ServedFile],
+    stats: Stats,
+    weights: list[float],
+    options: list[str],
+    saving: bool,
+    on_ready: Callable[[], None],
+    io: BackingIO | None,
+) -> None:
+    """The portable reference engine: pyfuse3, every request a task on one trio thread."""
     workers = [
         DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
-        for r in replicas
+        for r in stats.replicas
     ]
-    backing = io or OsIO(direct=cfg.backing_io == "direct")
     reader = Reader(
-        replicas,
+        stats.replicas,
         workers,
-        backing,
+        io or OsIO(direct=cfg.backing_io == "direct"),
         stats,
         routing=cfg.routing,
         files=list(files.values()),
         usage=Usage(runs=1) if saving else None,
         weights=weights,
     )
-    stats.routing = cfg.routing
     stats.in_flight = lambda: [w.busy for w in workers]
-    ops = ColiFS(tree, {ino: f for ino, f in files.items()}, reader, stats)
-    options = set(pyfuse3.default_options) | {"ro", "fsname=colifs", "subtype=colifs", "noatime"}
-    if cfg.allow_other:
-        options.add("allow_other")
-    options.update(cfg.fuse_options)
-    # From here on a signal must unmount, never kill: it is recorded until trio takes over.
-    early: list[int] = []
-    previous = {s: signal.signal(s, lambda sig, _: early.append(sig)) for s in STOP_SIGNALS}
+    ops = build_ops(tree, files, reader, stats)
+    tasks = [reader.watch]
+    if reader.usage is not None:
+        tasks.append(functools.partial(_keep_usage, reader, stats, cfg.usage_interval))
     try:
-        try:
-            pyfuse3.init(ops, mnt, options)
-        except RuntimeError as e:
-            raise MountError(f"cannot mount on {mnt}: {e}") from None
-        try:
-            trio.run(_main, mnt, cfg.knobs, reader, on_ready, early, cfg.usage_interval)
-        finally:
-            pyfuse3.close(unmount=True)
-            if reader.usage:  # what was served since the last save: `colifs umount` waits for it
-                _write_usage(stats, reader.usage)
+        with _signals_recorded() as early:
+            try:
+                pyfuse3.init(ops, mnt, set(options))
+            except RuntimeError as e:
+                raise MountError(f"cannot mount on {mnt}: {e}") from None
+            try:
+                loop = functools.partial(pyfuse3.main, max_tasks=MAX_TASKS)
+                trio.run(_main, mnt, cfg.knobs, stats, on_ready, early, loop, pyfuse3.terminate, tasks)
+            finally:
+                pyfuse3.close(unmount=True)
+                if reader.usage:  # what was served since the last save: `colifs umount` waits for it
+                    _write_usage(stats, reader.usage)
     finally:
         for w in workers:
             w.close()
+
+
+def _serve_native(
+    cfg: MountConfig,
+    mnt: str,
+    tree: Tree,
+    files: dict[int, ServedFile],
+    stats: Stats,
+    counters: NativeCounters,
+    weights: list[float],
+    options: list[str],
+    saving: bool,
+    on_ready: Callable[[], None],
+) -> None:
+    """The native engine: libfuse's multi-threaded loop in C, no Python per read."""
+    engine = NativeEngine(
+        tree,
+        files,
+        stats,
+        counters,
+        weights,
+        cfg.routing == "stripe",
+        mnt,
+        options,
+        direct=cfg.backing_io == "direct",
+        fuse_threads=cfg.fuse_threads,
+        drive_threads=cfg.threads_per_drive,
+        mirror_timeout=cfg.mirror_timeout,
+    )
+    stats.in_flight = counters.in_flight
+    tasks = [engine.watch]
+    if saving:
+        tasks.append(functools.partial(_keep_usage, counters, stats, cfg.usage_interval))
+    with _signals_recorded() as early:
+        try:
+            engine.mount()
+        except RuntimeError as e:
+            raise MountError(f"cannot mount on {mnt}: {e}") from None
+        try:
+            trio.run(_main, mnt, cfg.knobs, stats, on_ready, early, engine.run, engine.stop, tasks)
+        finally:
+            engine.close()
+            if saving and (pending := counters.take_usage()):
+                _write_usage(stats, pending)
+
+
+def build_ops(tree: Tree, files: dict[int, ServedFile], reader: Reader, stats: Stats) -> ColiFS:
+    """The pyfuse3 Operations over `reader`, as `serve` builds them (tests use it too)."""
+    return ColiFS(Namespace(tree, files, stats, stats.replicas, reader.route), reader)
+
+
+@contextlib.contextmanager
+def _signals_recorded() -> Iterator[list[int]]:
+    """From here on a signal must unmount, never kill: it is recorded until trio takes over."""
+    early: list[int] = []
+    previous = {s: signal.signal(s, lambda sig, _: early.append(sig)) for s in STOP_SIGNALS}
+    try:
+        yield early
+    finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    log.debug("unmounted %s", mnt)
 
 
 async def _main(
     mnt: str,
     knobs: Knobs,
-    reader: Reader,
+    stats: Stats,
     on_ready: Callable[[], None],
     early: list[int],
-    usage_interval: float,
+    loop: Callable[[], Awaitable[None]],
+    terminate: Callable[[], None],
+    tasks: list[Callable[[], Awaitable[None]]],
 ) -> None:
-    stats = reader.stats
+    """Serve (`loop` returns once unmounted) until a stop signal (`terminate` ends the loop)."""
     async with trio.open_nursery() as nursery:
 
         async def fuse_loop() -> None:
-            await pyfuse3.main(max_tasks=MAX_TASKS)
+            await loop()
             nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
 
         def stop(sig: int) -> None:
             log.info("signal %s: unmounting %s", signal.Signals(sig).name, mnt)
-            pyfuse3.terminate()
+            terminate()
             # The start-up calls below go through the mount: once the loop stops they would wait
-            # forever, so they are abandoned (pyfuse3.close then unmounts and they return).
+            # forever, so they are abandoned (closing the session then unmounts and they return).
             nursery.cancel_scope.cancel()
 
         async def signals(task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -378,9 +477,8 @@ async def _main(
                     return
 
         nursery.start_soon(fuse_loop)
-        nursery.start_soon(reader.watch)
-        if reader.usage is not None:
-            nursery.start_soon(_keep_usage, reader, usage_interval)
+        for task in tasks:
+            nursery.start_soon(task)
         await nursery.start(signals)
         # Ready means serving: a real request through the kernel proves it.
         path = os.path.join(mnt, ".colifs", "stats")

@@ -7,7 +7,6 @@ matched at mount, and any error or short read on it is answered by re-reading fr
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import mmap
@@ -18,13 +17,14 @@ from dataclasses import dataclass
 import outcome
 import trio
 
-from colifs.backing import BackingIO
+from colifs.backing import BackingIO, Changed, check_read, open_checked, what_changed
 from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.health import Health
-from colifs.layout import HEADER, ExpertKey
+from colifs.layout import ExpertKey
 from colifs.logs import WarnOnce
+from colifs.planner import merge, pieces, usable_weights
 from colifs.replicas import Identity, Replica, ServedFile
-from colifs.routing import CHUNK, pick, stripe_sequence
+from colifs.routing import CHUNK
 from colifs.stats import Stats
 from colifs.usage import Usage
 from colifs.workers import DriveWorkers, TimedOut, gather
@@ -68,7 +68,6 @@ class Reader:
         self._down: set[int] = set()
         self._went_down = trio.Event()
         self.striping = routing == "stripe"
-        self._sequences: dict[tuple[float, ...], tuple[int, ...]] = {}
         self.replicas = list(replicas)
         self.workers = list(workers)
         self.io = io
@@ -106,7 +105,7 @@ class Reader:
                 continue
             try:
                 fd = await self.workers[i].run(
-                    self._open_checked, self._path(i, f), f.identities[i], on_late=self._close_late
+                    open_checked, self.io, self._path(i, f), f.identities[i], on_late=self._close_late
                 )
             except (OSError, TimedOut) as e:
                 self._mirror_failed(i, f"cannot open {f.relpath} ({_describe(e)})", isinstance(e, TimedOut))
@@ -130,96 +129,59 @@ class Reader:
         if isinstance(result, outcome.Value):
             self.io.close(result.value)
 
-    def _open_checked(self, path: str, expect: Identity) -> int:
-        """Open a mirror copy, if it is still the one validated at mount (on a worker thread)."""
-        fd = self.io.open(path)
-        now = self.io.identity(fd)
-        if now != expect:
-            self.io.close(fd)
-            raise Changed(_what_changed(expect, now))
-        return fd
-
     def _pread_checked(self, fd: int, view: memoryview, offset: int, expect: Identity) -> int:
         """A mirror read whose bytes count only if the file is unchanged after it (worker thread)."""
         n = self.io.pread_into(fd, view, offset)
         now = self.io.identity(fd)
         if now != expect:
-            raise Changed(_what_changed(expect, now))
+            raise Changed(what_changed(expect, now))
         return n
 
     def _path(self, drive: int, f: ServedFile) -> str:
         return os.path.join(self.replicas[drive].root, f.relpath)
 
+    def take_usage(self) -> Usage:
+        """What was counted since the last take (swapped on the loop's thread, where reads count)."""
+        pending, self.usage = self.usage or Usage(), Usage()
+        return pending
+
+    def restore_usage(self, usage: Usage) -> None:
+        """A save failed: counted again with the next take."""
+        if self.usage is not None:
+            self.usage.add(usage)
+
     # -- reads -------------------------------------------------------------------------------
 
-    def plan(
-        self, of: OpenFile, off: int, end: int, asked: int = 0, dry: bool = False
-    ) -> list[tuple[int, int, int]]:
-        """[off, end) as (start, end, drive) runs: pieces routed by key, same-drive neighbours merged.
+    def plan(self, of: OpenFile, off: int, end: int, asked: int = 0) -> list[tuple[int, int, int]]:
+        """[off, end) as (start, end, drive) runs (colifs.planner), counting what was asked.
 
-        Usage counts only bytes from `asked` on (the caller's offset before rounding to BLOCK);
-        `dry` counts nothing (a question, not a read).
-
-        Expert routing: a key's bytes all go to one drive. Stripe routing: a key of two chunks or
-        more is cut at absolute CHUNK boundaries, chunk c going to seq[(c + rotation) % len(seq)].
+        Usage counts only bytes from `asked` on (the caller's offset before rounding to BLOCK),
+        once per extent; routed bytes per layer count for files a mirror holds.
         """
         f = of.file
-        layout = f.layout
-        if layout is None:
-            return [(off, end, 0)]
-        usage = None if dry else self.usage
         weights = of.weights
         if self._down:
             weights = [0.0 if i in self._down else w for i, w in enumerate(weights)]
-        if len(f.replicas) == 1 or not any(weights):
-            if usage is not None:  # the heat of primary-only files is what `colifs plan` needs most
-                for start, stop, extent in layout.pieces(max(off, asked), end):
-                    if extent != HEADER:
-                        usage.count(layout.keys[extent], stop - start)
-            return [(off, end, 0)]
-        runs: list[tuple[int, int, int]] = []
-
-        def add(start: int, stop: int, drive: int, layer: str | None) -> None:
-            if layer is not None and not dry:
-                self.stats.routed(layer, drive, stop - start)
-            if runs and runs[-1][2] == drive:
-                runs[-1] = (runs[-1][0], stop, drive)
-            else:
-                runs.append((start, stop, drive))
-
-        for start, stop, extent in layout.pieces(off, end):
-            if extent == HEADER:
-                add(start, stop, 0, None)
+        plan = pieces(f, weights, self.striping, off, end)
+        mirrored = len(f.replicas) > 1
+        asked_of: dict[int, int] = {}  # extent -> bytes from `asked` on: one usage count per extent
+        for start, stop, drive, extent in plan:
+            if extent < 0:
                 continue
-            key = layout.keys[extent]
-            if usage is not None and stop > asked:
-                usage.count(key, stop - max(start, asked))
-            layer = f"{key.stack}.{key.layer}" if isinstance(key, ExpertKey) else None
-            rotation = f.stripes[extent] if self.striping else -1
-            if rotation < 0:
-                add(start, stop, pick(f.positions[extent], weights), layer)
-                continue
-            seq = self._sequence(weights)
-            while start < stop:
-                chunk = start // CHUNK
-                piece_end = min(stop, (chunk + 1) * CHUNK)
-                add(start, piece_end, seq[(chunk + rotation) % len(seq)], layer)
-                start = piece_end
-        return runs
+            key = f.layout.keys[extent]  # type: ignore[union-attr]
+            if stop > asked:
+                asked_of[extent] = asked_of.get(extent, 0) + stop - max(start, asked)
+            if mirrored and isinstance(key, ExpertKey):
+                self.stats.routed(f"{key.stack}.{key.layer}", drive, stop - start)
+        if self.usage is not None:
+            for extent, nbytes in asked_of.items():
+                self.usage.count(f.layout.keys[extent], nbytes)  # type: ignore[union-attr]
+        return merge(plan)
 
     def route(self, f: ServedFile, offset: int) -> int:
         """The drive that serves byte `offset` of `f` now (down mirrors and dropped copies included)."""
-        n = len(self.replicas)
-        weights = [self.weights[i] if i in f.replicas else 0.0 for i in range(n)]
-        of = OpenFile(f, [None] * n, weights, 0, set())
-        return self.plan(of, offset, offset + 1, dry=True)[0][2]
-
-    def _sequence(self, weights: list[float]) -> tuple[int, ...]:
-        key = tuple(weights)
-        seq = self._sequences.get(key)
-        if seq is None:
-            seq = self._sequences[key] = stripe_sequence(weights)
-        return seq
+        weights = usable_weights(self.weights, set(f.replicas) - self._down)
+        return pieces(f, weights, self.striping, offset, offset + 1)[0][2]
 
     async def read(self, of: OpenFile, off: int, size: int) -> bytes | memoryview:
         """The primary's bytes [off, off+size), short only at the end of the file.
@@ -298,7 +260,7 @@ class Reader:
                 continue
             if isinstance(result, outcome.Error) and isinstance(result.error, Changed):
                 self.stats.failed(d, f"changed since mount: {result.error}")
-                self.stats.fallbacks += 1
+                self.stats.fell_back()
                 self._mirror_changed(of.file, d, str(result.error))
                 of.weights[d] = 0.0
                 redo.append(i)
@@ -315,7 +277,7 @@ class Reader:
                 self.health[d].succeeded()
                 continue
             self.stats.failed(d, problem)
-            self.stats.fallbacks += 1
+            self.stats.fell_back()
             self._mirror_failed(d, problem, timed_out)
             self._mirror_trouble(of.file, d, problem)
             redo.append(i)
@@ -375,7 +337,7 @@ class Reader:
             else:
                 offset = align_down(h.checks * CHUNK % f.size)
                 await self.workers[drive].run(
-                    self._check_read, self._path(drive, f), f.identities[drive], offset
+                    check_read, self.io, self._path(drive, f), f.identities[drive], offset
                 )
         except (OSError, TimedOut, Changed) as e:
             if isinstance(e, Changed) and f is not None:
@@ -390,17 +352,6 @@ class Reader:
         log.warning(
             "mirror %s: check read passed; back in use (down for %.1f s)", self.replicas[drive].root, down_for
         )
-
-    def _check_read(self, path: str, expect: Identity, offset: int) -> None:
-        """Open, read one block, close (on a worker thread; its own buffer, so it may be given up on)."""
-        fd = self._open_checked(path, expect)
-        try:
-            buf = mmap.mmap(-1, BLOCK)
-            want = min(BLOCK, expect[2] - offset)
-            if self.io.pread_into(fd, memoryview(buf), offset) < want:
-                raise OSError(errno.EIO, f"short read at {offset}")
-        finally:
-            self.io.close(fd)
 
     def _mirror_changed(self, f: ServedFile, drive: int, what: str) -> None:
         """A mirror copy changed after mount: never used again for this file."""
@@ -462,12 +413,3 @@ def _overlap(s: int, e: int, off: int, end: int) -> int:
 
 def _describe(error: BaseException) -> str:
     return (error.strerror if isinstance(error, OSError) else None) or repr(error)
-
-
-class Changed(Exception):
-    """A mirror copy is no longer the file validated at mount."""
-
-
-def _what_changed(before: Identity, now: Identity) -> str:
-    names = ("device", "inode", "size", "mtime")
-    return ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, before, now, strict=True) if a != b)

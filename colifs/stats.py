@@ -15,44 +15,90 @@ from colifs.logs import one_line
 from colifs.replicas import Replica, ServedFile
 
 
-class Stats:
-    """Counters of what each drive actually delivered to the mount (a fallback counts on the primary)."""
+class Counters:
+    """What each drive delivered, counted by the pyfuse3 engine's reader (the native engine has its
+    own, in shared memory: colifs.native.NativeCounters)."""
 
-    def __init__(self, replicas: Sequence[Replica], weights_source: str, mountpoint: str) -> None:
-        self.replicas = list(replicas)
-        self.weights_source = weights_source
-        self.mountpoint = mountpoint
-        self.started = time.time()
-        n = len(replicas)
+    def __init__(self, n: int) -> None:
         self.bytes_served = [0] * n
         self.reads = [0] * n
         self.read_errors = [0] * n
-        self.last_error: list[str | None] = [None] * n
         self.fallbacks = 0
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
-        self.warnings: deque[str] = deque(maxlen=50)
-        self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
-        self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
-        self.routing = "stripe"
-        self.usage: dict = {"file": None}  # where usage is saved, and how that went
-        self.partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
-        self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
-        self.health: list[Health] = [Health() for _ in replicas]  # replaced by the reader's
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
         self.reads[drive] += 1
 
-    def failed(self, drive: int, problem: str) -> None:
+    def failed(self, drive: int) -> None:
         self.read_errors[drive] += 1
-        self.last_error[drive] = problem
+
+    def fell_back(self) -> None:
+        self.fallbacks += 1
 
     def routed(self, layer: str, drive: int, nbytes: int) -> None:
         row = self.layers.get(layer)
         if row is None:
-            row = self.layers[layer] = [0] * len(self.replicas)
+            row = self.layers[layer] = [0] * len(self.reads)
         row[drive] += nbytes
+
+
+class Stats:
+    """Counters of what each drive actually delivered to the mount (a fallback counts on the primary)."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        weights_source: str,
+        mountpoint: str,
+        counters: Counters | None = None,
+    ) -> None:
+        self.replicas = list(replicas)
+        self.weights_source = weights_source
+        self.mountpoint = mountpoint
+        self.started = time.time()
+        n = len(replicas)
+        self.counters = counters or Counters(n)
+        self.last_error: list[str | None] = [None] * n
+        self.warnings: deque[str] = deque(maxlen=50)
+        self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
+        self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
+        self.routing = "stripe"
+        self.engine = "pyfuse3"
+        self.usage: dict = {"file": None}  # where usage is saved, and how that went
+        self.partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
+        self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
+        self.health: list[Health] = [Health() for _ in replicas]  # replaced by the reader's
+
+    @property
+    def bytes_served(self) -> Sequence[int]:
+        return self.counters.bytes_served
+
+    @property
+    def reads(self) -> Sequence[int]:
+        return self.counters.reads
+
+    @property
+    def read_errors(self) -> Sequence[int]:
+        return self.counters.read_errors
+
+    @property
+    def fallbacks(self) -> int:
+        return self.counters.fallbacks
+
+    def served(self, drive: int, nbytes: int) -> None:
+        self.counters.served(drive, nbytes)
+
+    def failed(self, drive: int, problem: str) -> None:
+        self.counters.failed(drive)
+        self.last_error[drive] = problem
+
+    def fell_back(self) -> None:
+        self.counters.fell_back()
+
+    def routed(self, layer: str, drive: int, nbytes: int) -> None:
+        self.counters.routed(layer, drive, nbytes)
 
     def names(self) -> list[str]:
         mirrors = len(self.replicas) - 1
@@ -79,6 +125,7 @@ class Stats:
             "uptime_s": round(time.time() - self.started, 3),
             "weights_source": self.weights_source,
             "routing": self.routing,
+            "engine": self.engine,
             "kernel": self.kernel,
             "probe": self.probe,
             "replicas": [
@@ -110,7 +157,7 @@ class Stats:
                 for f in files
                 if f.is_model
             },
-            "layers_routed_bytes": dict(sorted(self.layers.items())),
+            "layers_routed_bytes": dict(sorted(self.counters.layers.items())),
             "recent_warnings": list(self.warnings),
         }
 

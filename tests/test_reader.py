@@ -18,7 +18,7 @@ import trio
 from colifs.fakeio import FaultyIO
 from colifs.fs import ColiFS
 from colifs.health import FAILURES_TO_DOWN
-from colifs.mount import build_files
+from colifs.mount import build_files, build_ops
 from colifs.reader import OpenFile, Reader
 from colifs.replicas import Replica
 from colifs.stats import Stats
@@ -34,7 +34,7 @@ def make_ops(primary: Path, mirror: Path, weights: list[float]) -> tuple[ColiFS,
     io = FaultyIO()
     workers = [DriveWorkers(f"d{r.index}", 2) for r in replicas]
     reader = Reader(replicas, workers, io, stats, files=list(files.values()))
-    return ColiFS(tree, files, reader, stats), io
+    return build_ops(tree, files, reader, stats), io
 
 
 def run(ops: ColiFS, fn: Callable) -> object:
@@ -133,7 +133,7 @@ def test_hung_mirror_read_is_reissued_on_the_primary_and_its_buffer_never_reused
     stats = Stats(replicas, "test", "/nowhere")
     io = FaultyIO()
     workers = [DriveWorkers("d0", 2), DriveWorkers("d1", 4, timeout=0.2)]
-    ops = ColiFS(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
+    ops = build_ops(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
     io.fail(str(mirror), "hang")
 
     async def go() -> None:
@@ -164,7 +164,7 @@ def test_hung_mirror_open_times_out_and_its_late_descriptor_is_closed(model) -> 
 
     io = SlowOpen()
     workers = [DriveWorkers("d0", 2), DriveWorkers("d1", 4, timeout=0.2)]
-    ops = ColiFS(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
+    ops = build_ops(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
     ino = next(iter(shard_inodes(ops)))
 
     async def go() -> None:

@@ -146,8 +146,7 @@ def test_names_never_leave_the_primary(tmp_path: Path) -> None:
     import trio
 
     from colifs.fakeio import FaultyIO
-    from colifs.fs import ColiFS
-    from colifs.mount import build_files
+    from colifs.mount import build_files, build_ops
     from colifs.reader import Reader
     from colifs.replicas import Replica
     from colifs.stats import Stats
@@ -166,7 +165,7 @@ def test_names_never_leave_the_primary(tmp_path: Path) -> None:
     stats = Stats(replicas, "test", "/nowhere")
     workers = [DriveWorkers("d0", 1)]
     reader = Reader(replicas, workers, FaultyIO(), stats)
-    ops = ColiFS(tree, build_files(tree, replicas), reader, stats)
+    ops = build_ops(tree, build_files(tree, replicas), reader, stats)
 
     async def go() -> None:
         for name in (b"..", b".", b"../outside.txt", b"up/outside.txt", b"etc/passwd", b"/etc"):

@@ -38,19 +38,25 @@ def sh(*cmd: str) -> str:
 class Rig:
     """Loop devices, filesystems and the cgroup; `close()` undoes whatever was done."""
 
-    def __init__(self, work: Path, image_gb: float) -> None:
+    def __init__(self, work: Path, image_gb: float, ram: bool = False) -> None:
+        """`ram`: the images in /dev/shm, fast enough that the daemon, not the drive, is the limit."""
         self.work = work
         self.loops: list[str] = []
         self.mounts: list[Path] = []
         self.cgroup: Path | None = None
         self.dirs = []
+        self.images: list[Path] = []
         for name in ("fast", "slow"):
-            img = work / f"{name}.img"
+            img = Path("/dev/shm", f"colifs-bench-{os.getpid()}-{name}.img") if ram else work / f"{name}.img"
+            self.images.append(img)
             sh("truncate", "-s", f"{int(image_gb * 1024)}M", str(img))
             # direct-io: the loop device reads its image with O_DIRECT, not through the host's
-            # page cache, so it behaves like a drive under the throttle
-            loop = sh("losetup", "-f", "--show", "--direct-io=on", str(img))
+            # page cache, so it behaves like a drive under the throttle (tmpfs needs no such thing)
+            loop = sh("losetup", "-f", "--show", *([] if ram else ["--direct-io=on"]), str(img))
             self.loops.append(loop)
+            # A common NVMe default, so the drives read directly are not flattered or handicapped
+            # by this kernel's loop default of 2560 KiB.
+            Path(f"/sys/block/{os.path.basename(loop)}/queue/read_ahead_kb").write_text("128\n")
             sh("mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop)
             d = work / name
             d.mkdir()
@@ -84,6 +90,8 @@ class Rig:
             subprocess.run(["umount", str(d)], capture_output=True)
         for loop in self.loops:
             subprocess.run(["losetup", "-d", loop], capture_output=True)
+        for img in self.images:
+            img.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,176 @@
+"""What the mount shows, for both engines: inodes and their attributes, directory listings, the
+control files and the extended attributes. Errors are OSErrors; each engine turns them into its
+FUSE replies (pyfuse3: colifs.fs, native: colifs.native).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from colifs.formats import tensor_at
+from colifs.layout import HEADER, ExpertKey
+from colifs.replicas import Replica, ServedFile
+from colifs.stats import Stats
+from colifs.tree import ROOT_INO, Tree
+
+log = logging.getLogger("colifs")
+
+CONTROL_DIR = b".colifs"
+CONTROL_INO = 2
+STATS_INO = 3
+STATS_JSON_INO = 4
+CONTROL_FILES = {b"stats": STATS_INO, b"stats.json": STATS_JSON_INO}
+REPLICAS_XATTR = b"user.colifs.replicas"
+ROUTE_XATTR = b"user.colifs.route."
+ENOATTR = errno.ENODATA
+WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
+CACHE_TIMEOUT = 3600.0  # the backing files are immutable while mounted
+
+
+@dataclass(frozen=True, slots=True)
+class Attr:
+    ino: int
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    blocks: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    timeout: float  # entry and attribute timeout: 0 for control files (always current)
+
+
+class Namespace:
+    """The read-only view of the primary's tree, with colifs' control directory at its root."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        files: Mapping[int, ServedFile],
+        stats: Stats,
+        replicas: Sequence[Replica],
+        drive_at: Callable[[ServedFile, int], int],
+    ) -> None:
+        self.tree = tree
+        self.files = files
+        self.stats = stats
+        self.replicas = list(replicas)
+        self._drive_at = drive_at  # the drive that serves a byte now (the engine knows health)
+        self._attrs = {ino: self._node_attr(ino) for ino in tree.nodes}
+        root = self._attrs[ROOT_INO]
+        started = int(stats.started * 1e9)
+        self._attrs[CONTROL_INO] = Attr(
+            CONTROL_INO, stat.S_IFDIR | 0o555, 2, root.uid, root.gid, 0, 0, started, started, started,
+            CACHE_TIMEOUT,
+        )  # fmt: skip
+        if CONTROL_DIR in tree.nodes[ROOT_INO].children:
+            log.warning(
+                "the primary has its own %s; it is hidden by colifs' control directory", CONTROL_DIR.decode()
+            )
+
+    def _node_attr(self, ino: int) -> Attr:
+        st = self.tree.nodes[ino].st
+        nlink = st.st_nlink if stat.S_ISDIR(st.st_mode) else 1
+        return Attr(
+            ino, st.st_mode & ~WRITE_BITS, nlink, st.st_uid, st.st_gid, st.st_size, st.st_blocks,
+            st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, CACHE_TIMEOUT,
+        )  # fmt: skip
+
+    def inodes(self) -> list[int]:
+        """Every inode the mount shows (the tree's, the control directory and its files)."""
+        return [*self._attrs, *CONTROL_FILES.values()]
+
+    def attr(self, ino: int) -> Attr:
+        if ino in (STATS_INO, STATS_JSON_INO):
+            d = self._attrs[CONTROL_INO]
+            now = time.time_ns()
+            return Attr(
+                ino, stat.S_IFREG | 0o444, 1, d.uid, d.gid, len(self.render(ino)), 0, now, now, now, 0
+            )
+        try:
+            return self._attrs[ino]
+        except KeyError:
+            raise OSError(errno.ENOENT, "no such inode") from None
+
+    def children(self, ino: int) -> list[tuple[bytes, int]]:
+        """A directory's entries in readdir order (the control directory first at the root)."""
+        if ino == CONTROL_INO:
+            return sorted(CONTROL_FILES.items())
+        node = self.tree.nodes.get(ino)
+        if node is None or not node.is_dir:
+            raise OSError(errno.ENOTDIR, "not a directory")
+        children = [(name, i) for name, i in node.children.items() if ino != ROOT_INO or name != CONTROL_DIR]
+        if ino == ROOT_INO:
+            children.insert(0, (CONTROL_DIR, CONTROL_INO))
+        return children
+
+    def lookup(self, parent: int, name: bytes) -> int:
+        if parent == ROOT_INO and name == CONTROL_DIR:
+            return CONTROL_INO
+        if parent == CONTROL_INO:
+            ino = CONTROL_FILES.get(name)
+        else:
+            node = self.tree.nodes.get(parent)
+            ino = node.children.get(name) if node is not None else None
+        if ino is None:
+            raise OSError(errno.ENOENT, "no such entry")
+        return ino
+
+    def render(self, ino: int) -> bytes:
+        """A control file's content now."""
+        if ino == STATS_INO:
+            return self.stats.line().encode()
+        return self.stats.json(list(self.files.values())).encode()
+
+    def xattr_names(self, ino: int) -> list[bytes]:
+        return [REPLICAS_XATTR] if ino in self.files else []
+
+    def xattr(self, ino: int, name: bytes) -> bytes:
+        """`user.colifs.replicas`: the copies that serve the file, one `role path` per line.
+        `user.colifs.route.OFFSET` (not listed): the tensor, key and drive of that byte, as JSON.
+        Blocks (it reads the file's header): call it off the request loop."""
+        f = self.files.get(ino)
+        if f is None:
+            raise OSError(ENOATTR, "no such attribute")
+        if name == REPLICAS_XATTR:
+            checked = " (data SHA-256-checked: colifs stage receipt)"
+            lines = [
+                f"{self.replicas[i].role} {self.replicas[i].root}" + (checked if i in f.vouched else "")
+                for i in f.replicas
+            ]
+            return ("\n".join(lines) + "\n").encode()
+        if name.startswith(ROUTE_XATTR):
+            try:
+                offset = int(name[len(ROUTE_XATTR) :])
+            except ValueError:
+                raise OSError(ENOATTR, "no such attribute") from None
+            if not 0 <= offset < f.size:
+                raise OSError(errno.EINVAL, "offset outside the file")
+            return json.dumps(self._route(f, offset)).encode()
+        raise OSError(ENOATTR, "no such attribute")
+
+    def _route(self, f: ServedFile, offset: int) -> dict:
+        tensor = tensor_at(os.path.join(self.replicas[0].root, f.relpath), offset)
+        key: object = None
+        if f.layout is not None:
+            extent = f.layout.pieces(offset, offset + 1)[0][2]
+            key = "header" if extent == HEADER else f.layout.keys[extent]
+        drive = self._drive_at(f, offset)
+        return {
+            "file": f.relpath,
+            "offset": offset,
+            "tensor": tensor,
+            "key": key._asdict() if isinstance(key, ExpertKey) else key,
+            "drive": self.stats.names()[drive],
+            "path": self.replicas[drive].root,
+            "valid_copies": [self.replicas[i].root for i in f.replicas],
+        }

@@ -1,0 +1,383 @@
+"""The native engine's Python half: the tables it is fed, its counters, and the policy it obeys.
+
+`colifs._native` (native/*.c) serves every request on libfuse's multi-threaded loop without the
+GIL. Python computes what it serves from (inodes, attributes, listings, one run table per file
+from colifs.planner), owns the counter memory it writes (per drive, per key, per file: stats and
+usage read it), takes its events (mirror failures → the health policy, changed copies → dropped,
+primary errors → the log) and answers the rare requests it passes up (control files, xattrs).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import mmap
+import os
+import threading
+from collections.abc import Mapping, Sequence
+
+import trio
+
+from colifs import _native
+from colifs.backing import Changed, OsIO, check_read
+from colifs.buffers import align_down
+from colifs.errors import MountError
+from colifs.health import Health
+from colifs.layout import ExpertKey, Key
+from colifs.logs import WarnOnce
+from colifs.namespace import CONTROL_FILES, CONTROL_INO, Namespace
+from colifs.planner import pieces, run_table, usable_weights
+from colifs.replicas import Replica, ServedFile
+from colifs.routing import CHUNK
+from colifs.stats import Stats
+from colifs.tree import Tree
+from colifs.usage import Usage
+
+log = logging.getLogger("colifs")
+
+MAX_REPLICAS = _native.MAX_REPLICAS
+WATCH_TICK = 0.2  # s between looks at the down mirrors (their back-off is 1 s or more)
+
+_KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
+
+
+class NativeCounters:
+    """The counters the native engine writes, in memory Python owns (an anonymous mmap).
+
+    Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy, mirror
+    successes; fallbacks; per key and drive routed bytes; per key reads; per file bytes, reads.
+    """
+
+    def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
+        self.nrep = nrep
+        self.keys = list(keys)
+        self.files = list(files)
+        nk, nf = len(self.keys), len(self.files)
+        sizes = [nrep] * 5 + [1, nk * nrep, nk, nf, nf]
+        self.buffer = mmap.mmap(-1, max(8, 8 * sum(sizes)))
+        words = memoryview(self.buffer).cast("Q")
+        views, at = [], 0
+        for n in sizes:
+            views.append(words[at : at + n])
+            at += n
+        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._fallbacks,
+         self._key_bytes, self._key_reads, self._file_bytes, self._file_reads) = views  # fmt: skip
+        self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
+        self._taken_keys = [0] * (2 * nk)
+        self._taken_files = [0] * (2 * nf)
+        self._pending = Usage(runs=1)  # this run counts once, with its first save
+
+    @property
+    def memory(self) -> memoryview:
+        """The exact bytes the engine writes to."""
+        return memoryview(self.buffer)[
+            : 8 * (5 * self.nrep + 1 + len(self.keys) * (self.nrep + 1) + 2 * len(self.files))
+        ]
+
+    @property
+    def bytes_served(self) -> list[int]:
+        return self._bytes.tolist()
+
+    @property
+    def reads(self) -> list[int]:
+        return self._reads.tolist()
+
+    @property
+    def read_errors(self) -> list[int]:
+        return self._errors.tolist()
+
+    @property
+    def fallbacks(self) -> int:
+        return self._fallbacks[0]
+
+    @property
+    def layers(self) -> dict[str, list[int]]:
+        """Bytes per (stack.layer) per drive as routing decided them, from the per-key counters."""
+        out: dict[str, list[int]] = {}
+        kb = self._key_bytes.tolist()
+        n = self.nrep
+        for k, layer in enumerate(self._layer):
+            if layer is None:
+                continue
+            row = kb[k * n : (k + 1) * n]
+            if any(row):
+                acc = out.setdefault(layer, [0] * n)
+                for d in range(n):
+                    acc[d] += row[d]
+        return out
+
+    def in_flight(self) -> list[int]:
+        return self._busy.tolist()
+
+    def failed(self, drive: int) -> None:
+        """The engine counts its errors itself."""
+
+    def take_usage(self) -> Usage:
+        """What was served since the last take (and what a failed save gave back)."""
+        out, self._pending = self._pending, Usage()
+        n = self.nrep
+        kb, kr = self._key_bytes.tolist(), self._key_reads.tolist()
+        for k, key in enumerate(self.keys):
+            nbytes, reads = sum(kb[k * n : (k + 1) * n]), kr[k]
+            db, dr = nbytes - self._taken_keys[2 * k], reads - self._taken_keys[2 * k + 1]
+            if db or dr:
+                self._taken_keys[2 * k], self._taken_keys[2 * k + 1] = nbytes, reads
+                row = out.keys.setdefault(key, [0, 0])
+                row[0] += db
+                row[1] += dr
+        fb, fr = self._file_bytes.tolist(), self._file_reads.tolist()
+        for i, f in enumerate(self.files):
+            db, dr = fb[i] - self._taken_files[2 * i], fr[i] - self._taken_files[2 * i + 1]
+            if db or dr:
+                self._taken_files[2 * i], self._taken_files[2 * i + 1] = fb[i], fr[i]
+                row = out.files.setdefault(f.relpath, [0, 0])
+                row[0] += db
+                row[1] += dr
+        return out
+
+    def restore_usage(self, usage: Usage) -> None:
+        """A save failed: counted again with the next take."""
+        self._pending.add(usage)
+
+
+def key_table(files: Sequence[ServedFile]) -> list[Key]:
+    """Every routing key of the served files, once, in file order: the engine counts per index."""
+    seen: dict[Key, None] = {}
+    for f in files:
+        if f.layout is not None:
+            seen.update(dict.fromkeys(f.layout.keys))
+    return list(seen)
+
+
+class NativeEngine:
+    """Runs `colifs._native.Engine` on a thread of its own; obeys and informs the health policy."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        files: Mapping[int, ServedFile],
+        stats: Stats,
+        counters: NativeCounters,
+        weights: Sequence[float],
+        striping: bool,
+        mountpoint: str,
+        options: Sequence[str],
+        direct: bool,
+        fuse_threads: int,
+        drive_threads: int,
+        mirror_timeout: float | None,
+    ) -> None:
+        self.replicas: list[Replica] = stats.replicas
+        if len(self.replicas) > MAX_REPLICAS:
+            raise MountError(f"the native engine serves at most {MAX_REPLICAS} replicas (--engine pyfuse3)")
+        self.ns = Namespace(tree, files, stats, self.replicas, self.drive_at)
+        self.files = list(counters.files)
+        self.counters = counters
+        self.health = stats.health
+        self.weights = list(weights)
+        self.striping = striping
+        self.mirror_timeout = mirror_timeout
+        self._io = OsIO(direct=direct)
+        self._warn = WarnOnce()
+        self._seen_ok = [0] * len(self.replicas)
+        self._thread: threading.Thread | None = None
+        index = {id(f): i for i, f in enumerate(self.files)}
+        key_ids = {k: i for i, k in enumerate(counters.keys)}
+        nodes, children = self._namespace_tables(self.ns, index)
+        rows = [self._file_row(f, key_ids) for f in self.files]
+        self.engine = _native.Engine(
+            mountpoint=os.fsencode(mountpoint),
+            options=",".join(options).encode(),
+            roots=[os.fsencode(r.root) for r in self.replicas],
+            direct=direct,
+            fuse_threads=fuse_threads,
+            drive_threads=drive_threads,
+            mirror_timeout=mirror_timeout or 0.0,
+            nodes=nodes,
+            children=children,
+            files=rows,
+            nkeys=len(counters.keys),
+            counters=counters.memory,
+            control=self._control,
+            xattr=self._xattr,
+            listxattr=self._listxattr,
+            event=self._event,
+        )
+
+    # -- tables ------------------------------------------------------------------------------
+
+    @staticmethod
+    def _namespace_tables(ns: Namespace, index: Mapping[int, int]) -> tuple[list[tuple], list[tuple]]:
+        nodes, children = [], []
+        for ino in sorted(ns.inodes()):
+            a = ns.attr(ino)
+            node = ns.tree.nodes.get(ino)
+            if ino == CONTROL_INO:
+                kind = "control_dir"
+            elif ino in CONTROL_FILES.values():
+                kind = "control_file"
+            elif node is not None and node.is_dir:
+                kind = "dir"
+            else:
+                kind = "reg" if node is not None and node.is_file else "lnk"
+            first = len(children)
+            if kind in ("dir", "control_dir"):
+                children.extend(ns.children(ino))
+            f = ns.files.get(ino)
+            nodes.append((
+                ino, _KIND[kind], index[id(f)] if f is not None else -1, a.mode, a.nlink, a.uid, a.gid,
+                a.size, a.blocks, a.atime_ns, a.mtime_ns, a.ctime_ns, a.timeout,
+                node.target if node is not None else b"", first, len(children) - first,
+            ))  # fmt: skip
+        return nodes, children
+
+    def _file_row(self, f: ServedFile, key_ids: Mapping[Key, int]) -> tuple:
+        mask = sum(1 << d for d in f.replicas)
+        idents = [f.identities.get(d, (0, 0, 0, 0)) for d in range(len(self.replicas))]
+        starts, keys, drives = run_table(f, self.weights, self.striping, key_ids)
+        return (os.fsencode(f.relpath), f.size, mask, idents, starts, keys, drives)
+
+    # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------
+
+    def _control(self, ino: int) -> bytes | int:
+        return self._guard(self.ns.render, ino)
+
+    def _xattr(self, ino: int, name: bytes) -> bytes | int:
+        return self._guard(self.ns.xattr, ino, name)
+
+    def _listxattr(self, ino: int) -> bytes | int:
+        return self._guard(lambda i: b"".join(n + b"\0" for n in self.ns.xattr_names(i)), ino)
+
+    def _guard(self, fn, *args) -> bytes | int:
+        try:
+            return fn(*args)
+        except OSError as e:
+            return e.errno or errno.EIO
+        except Exception:
+            log.exception("internal error answering a request")
+            return errno.EIO
+
+    def _event(self, kind: int, drive: int, file: int, text: bytes, timed_out: int, successes: int) -> None:
+        try:
+            f = self.files[file] if file >= 0 else None
+            self._on_event(kind, drive, f, text.decode(errors="replace"), bool(timed_out), successes)
+        except Exception:
+            log.exception("internal error handling an engine event")
+
+    def _on_event(
+        self, kind: int, drive: int, f: ServedFile | None, text: str, timed_out: bool, successes: int
+    ) -> None:
+        root = self.replicas[drive].root
+        if kind == _native.EV_NO_DIRECT:
+            log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", text)
+            return
+        assert f is not None
+        if kind == _native.EV_PRIMARY_FAILED:
+            self.ns.stats.failed(0, text)
+            self._warn((f.relpath, 0), "%s: primary read error: %s", f.relpath, text)
+            return
+        if kind == _native.EV_MIRROR_CHANGED:
+            self.ns.stats.failed(drive, f"changed since mount: {text}")
+            self._changed(f, drive, text)
+            return
+        h = self.health[drive]
+        if successes != self._seen_ok[drive]:  # a success since the last failure: not "in a row"
+            self._seen_ok[drive] = successes
+            h.succeeded()
+        self.ns.stats.failed(drive, text)
+        if h.failed(text, timed_out):
+            self.engine.set_up(drive, False)
+            log.warning(
+                "mirror %s: %d failures in a row (last: %s); its reads go to the primary until a "
+                "check read passes",
+                root,
+                h.in_a_row,
+                text,
+            )
+        self._warn(
+            (f.relpath, drive), "%s: mirror %s: %s; reading from the primary instead", f.relpath, root, text
+        )
+
+    def _changed(self, f: ServedFile, drive: int, what: str) -> None:
+        if drive in f.replicas:
+            root = self.replicas[drive].root
+            f.drop(drive, f"mirror {root}: changed since mount ({what})")
+            log.warning(
+                "%s: mirror %s: changed since mount (%s); no longer used for this file", f.relpath, root, what
+            )
+
+    def drive_at(self, f: ServedFile, offset: int) -> int:
+        """The drive that serves byte `offset` of `f` now: what the engine's run table says."""
+        down = {d for d, h in enumerate(self.health) if d and not h.up}
+        weights = usable_weights(self.weights, set(f.replicas) - down)
+        return pieces(f, weights, self.striping, offset, offset + 1)[0][2]
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def mount(self) -> None:
+        self.engine.mount()
+
+    async def run(self) -> None:
+        """Serve until unmounted (from outside, or after `stop`)."""
+        self._thread = threading.Thread(target=self.engine.loop, name="colifs-fuse", daemon=True)
+        self._thread.start()
+        await trio.to_thread.run_sync(self._thread.join, abandon_on_cancel=True)
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+    def close(self) -> None:
+        """After the loop: unmount what is left and free the session."""
+        self.engine.stop()
+        if self._thread is not None:
+            self._thread.join(10)
+            if self._thread.is_alive():
+                log.warning("the FUSE loop did not stop within 10 s; leaving it to the exit")
+                return
+        self.engine.close()
+
+    # -- health: check reads on down mirrors -------------------------------------------------
+
+    async def watch(self) -> None:
+        """Runs for the life of the mount: checks each down mirror once its back-off is over."""
+        while True:
+            for d in range(1, len(self.replicas)):
+                h = self.health[d]
+                if h.due():
+                    await self._check(d, h)
+            await trio.sleep(WATCH_TICK)
+
+    async def _check(self, drive: int, h: Health) -> None:
+        h.checks += 1
+        held = [f for f in self.files if drive in f.replicas and f.size > 0]
+        f = held[h.checks % len(held)] if held else None
+        root = self.replicas[drive].root
+        try:
+            with trio.fail_after(self.mirror_timeout or math.inf):
+                if f is None:  # no file left on it to read: its directory must still be there
+                    await trio.to_thread.run_sync(os.stat, root, abandon_on_cancel=True)
+                else:
+                    offset = align_down(h.checks * CHUNK % f.size)
+                    path = os.path.join(root, f.relpath)
+                    await trio.to_thread.run_sync(
+                        check_read, self._io, path, f.identities[drive], offset, abandon_on_cancel=True
+                    )
+        except (OSError, trio.TooSlowError, Changed) as e:
+            if isinstance(e, Changed) and f is not None:
+                self._changed(f, drive, str(e))
+            timed_out = isinstance(e, trio.TooSlowError)
+            h.check_failed(f"check read: {'timeout' if timed_out else e}", timed_out)
+            return
+        down_for = h.check_passed()
+        self.engine.set_up(drive, True)
+        log.warning("mirror %s: check read passed; back in use (down for %.1f s)", root, down_for)
+
+
+def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:
+    """The FUSE mount options both engines use."""
+    options = {"default_permissions", "ro", "fsname=colifs", "subtype=colifs", "noatime"}
+    if allow_other:
+        options.add("allow_other")
+    options.update(extra)
+    return sorted(options)

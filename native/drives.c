@@ -1,0 +1,675 @@
+/* The read path: a request is cut into runs by the file's run table, the runs on mirrors are
+ * handed to their drives' threads while the primary's runs are read inline, and whatever a mirror
+ * failed is re-read from the primary. The bytes returned are always the primary's: a mirror run
+ * counts only when it read in full and the copy is unchanged after the read.
+ */
+#define _GNU_SOURCE
+#include "engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef struct {
+    uint64_t start, end;
+    int drive;
+} run_t;
+
+typedef struct pending pending_t;
+
+typedef struct job {
+    pending_t *p;
+    file_t *f;
+    int drive, run;
+    char *dst;
+    uint64_t off;
+    size_t len;
+    ssize_t got; /* -1: error (err) */
+    int err, changed, opened_failed, done;
+    char what[200];
+    struct job *next;
+} job_t;
+
+/* One request's mirror jobs. Freed by whoever drops the last reference: the request, or, when
+ * the request gave up waiting (timeout), the last job to finish (with the buffer it writes to). */
+struct pending {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int left, refs, abandoned;
+    char *buf;
+    job_t jobs[];
+};
+
+static __thread char *thread_buf; /* REQ_BUF bytes, page-aligned, one per FUSE thread */
+static pthread_key_t buf_key;
+static pthread_once_t buf_once = PTHREAD_ONCE_INIT;
+
+static void free_buf(void *p) { free(p); }
+static void make_key(void) { pthread_key_create(&buf_key, free_buf); }
+
+static char *aligned(size_t n) {
+    void *p = NULL;
+    return posix_memalign(&p, BLOCK, n) == 0 ? p : NULL;
+}
+
+static char *request_buffer(size_t n) {
+    if (n > REQ_BUF)
+        return aligned(n);
+    if (!thread_buf) {
+        pthread_once(&buf_once, make_key);
+        thread_buf = aligned(REQ_BUF);
+        pthread_setspecific(buf_key, thread_buf);
+    }
+    return thread_buf;
+}
+
+/* The thread's buffer now belongs to a request that gave up on a read still writing into it. */
+static void lose_thread_buffer(char *buf) {
+    if (buf == thread_buf) {
+        thread_buf = NULL;
+        pthread_setspecific(buf_key, NULL);
+    }
+}
+
+static void done_with(char *buf) {
+    if (buf != thread_buf)
+        free(buf);
+}
+
+/* Fill [off, off+len) from fd; fewer bytes only at the end of the file. -1 on error (errno). */
+static ssize_t pread_full(int fd, char *dst, size_t len, uint64_t off, int direct) {
+    size_t got = 0;
+    while (got < len) {
+        ssize_t n = pread(fd, dst + got, len - got, (off_t)(off + got));
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        got += (size_t)n;
+        if (n == 0 || (direct && n % BLOCK))
+            break; /* end of file (an O_DIRECT read is short only there) */
+    }
+    return (ssize_t)got;
+}
+
+static int same_identity(int fd, const ident_t *want, char *what, size_t n) {
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        snprintf(what, n, "fstat: %s", strerror(errno));
+        return 0;
+    }
+    int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    if ((uint64_t)st.st_dev == want->dev && (uint64_t)st.st_ino == want->ino &&
+        (uint64_t)st.st_size == want->size && mtime == want->mtime_ns)
+        return 1;
+    snprintf(what, n, "device %llu -> %llu, inode %llu -> %llu, size %llu -> %llu, mtime %lld -> %lld",
+             (unsigned long long)want->dev, (unsigned long long)st.st_dev,
+             (unsigned long long)want->ino, (unsigned long long)st.st_ino,
+             (unsigned long long)want->size, (unsigned long long)st.st_size,
+             (long long)want->mtime_ns, (long long)mtime);
+    return 0;
+}
+
+int open_backing(engine_t *e, int drive, const char *relpath, int *direct) {
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", e->roots[drive], relpath) >= (int)sizeof path) {
+        errno = ENAMETOOLONG;
+        return -1;
+    }
+    *direct = 0;
+    if (e->direct_io) {
+        int fd = open(path, O_RDONLY | O_CLOEXEC | O_DIRECT);
+        if (fd >= 0) {
+            *direct = 1;
+            return fd;
+        }
+        if (errno != EINVAL)
+            return -1;
+        uint32_t bit = 1u << drive;
+        if (!(atomic_fetch_or(&e->no_direct_warned, bit) & bit))
+            e->event(e->py, EV_NO_DIRECT, drive, -1, path, 0, 0);
+    }
+    return open(path, O_RDONLY | O_CLOEXEC);
+}
+
+int file_open(engine_t *e, file_t *f) {
+    int err = 0;
+    pthread_mutex_lock(&f->lock);
+    if (f->refs == 0) {
+        int direct;
+        int fd = open_backing(e, 0, f->relpath, &direct);
+        if (fd < 0) {
+            err = errno;
+        } else {
+            atomic_store(&f->fd[0], fd);
+            f->direct[0] = direct;
+        }
+    }
+    if (!err)
+        f->refs++;
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+void file_release(engine_t *e, file_t *f) {
+    pthread_mutex_lock(&f->lock);
+    if (--f->refs == 0) {
+        for (int d = 0; d < e->nrep; d++) {
+            int fd = atomic_exchange(&f->fd[d], FD_CLOSED);
+            if (fd >= 0)
+                close(fd);
+        }
+    }
+    pthread_mutex_unlock(&f->lock);
+}
+
+/* The mirror copy's descriptor, opened (and checked unchanged) on first use. */
+static int mirror_fd(engine_t *e, job_t *j) {
+    file_t *f = j->f;
+    int d = j->drive;
+    int fd = atomic_load(&f->fd[d]);
+    if (fd != FD_CLOSED)
+        return fd;
+    pthread_mutex_lock(&f->lock);
+    fd = atomic_load(&f->fd[d]);
+    if (fd == FD_CLOSED) {
+        int direct;
+        fd = open_backing(e, d, f->relpath, &direct);
+        if (fd < 0) {
+            snprintf(j->what, sizeof j->what, "cannot open %s (%s)", f->relpath, strerror(errno));
+            j->opened_failed = 1;
+            fd = FD_FAILED;
+        } else if (!same_identity(fd, &f->ident[d], j->what, sizeof j->what)) {
+            close(fd);
+            j->changed = 1;
+            fd = FD_FAILED;
+        } else {
+            f->direct[d] = direct;
+        }
+        atomic_store(&f->fd[d], fd);
+    }
+    pthread_mutex_unlock(&f->lock);
+    return fd;
+}
+
+static void run_job(engine_t *e, job_t *j) {
+    int fd = mirror_fd(e, j);
+    if (fd < 0) {
+        j->got = -1;
+        j->err = EIO;
+        if (!j->opened_failed && !j->changed) {
+            snprintf(j->what, sizeof j->what, "cannot open %s (failed before)", j->f->relpath);
+            j->opened_failed = 1;
+        }
+        return;
+    }
+    j->got = pread_full(fd, j->dst, j->len, j->off, j->f->direct[j->drive]);
+    if (j->got < 0) {
+        j->err = errno;
+        snprintf(j->what, sizeof j->what, "read error at %llu: %s", (unsigned long long)j->off,
+                 strerror(j->err));
+        return;
+    }
+    if (!same_identity(fd, &j->f->ident[j->drive], j->what, sizeof j->what))
+        j->changed = 1;
+}
+
+static void pending_unref_locked(pending_t *p, int *last) { *last = --p->refs == 0; }
+
+static void pending_free(pending_t *p) {
+    if (p->abandoned)
+        free(p->buf);
+    pthread_mutex_destroy(&p->m);
+    pthread_cond_destroy(&p->c);
+    free(p);
+}
+
+static void finish_job(job_t *j) {
+    pending_t *p = j->p;
+    int last;
+    pthread_mutex_lock(&p->m);
+    j->done = 1;
+    p->left--;
+    pending_unref_locked(p, &last);
+    pthread_cond_signal(&p->c);
+    pthread_mutex_unlock(&p->m);
+    if (last)
+        pending_free(p);
+}
+
+static void *drive_main(void *arg) {
+    drive_t *dr = arg;
+    for (;;) {
+        pthread_mutex_lock(&dr->m);
+        while (!dr->head && !dr->stop)
+            pthread_cond_wait(&dr->c, &dr->m);
+        job_t *j = dr->head;
+        if (!j) {
+            pthread_mutex_unlock(&dr->m);
+            return NULL;
+        }
+        dr->head = j->next;
+        if (!dr->head)
+            dr->tail = NULL;
+        pthread_mutex_unlock(&dr->m);
+        run_job(dr->e, j);
+        atomic_fetch_sub(&dr->e->ctr.drive_busy[j->drive], 1);
+        finish_job(j);
+    }
+}
+
+static void submit(engine_t *e, job_t *j) {
+    drive_t *dr = &e->drives[j->drive];
+    atomic_fetch_add(&e->ctr.drive_busy[j->drive], 1);
+    j->next = NULL;
+    pthread_mutex_lock(&dr->m);
+    if (dr->tail)
+        dr->tail->next = j;
+    else
+        dr->head = j;
+    dr->tail = j;
+    pthread_cond_signal(&dr->c);
+    pthread_mutex_unlock(&dr->m);
+}
+
+int drives_start(engine_t *e) {
+    for (int d = 1; d < e->nrep; d++) {
+        drive_t *dr = &e->drives[d];
+        dr->e = e;
+        pthread_mutex_init(&dr->m, NULL);
+        pthread_cond_init(&dr->c, NULL);
+        dr->threads = calloc((size_t)e->drive_threads, sizeof(pthread_t));
+        if (!dr->threads)
+            return ENOMEM;
+        for (int t = 0; t < e->drive_threads; t++) {
+            int err = pthread_create(&dr->threads[t], NULL, drive_main, dr);
+            if (err)
+                return err;
+            dr->nthreads++;
+        }
+    }
+    return 0;
+}
+
+/* Stop the drive threads once their queues are empty. A thread stuck in a read on a hung drive is
+ * detached instead of waited for: it must not hang the unmount (it owns nothing shared). */
+void drives_stop(engine_t *e) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 5;
+    for (int d = 1; d < e->nrep; d++) {
+        drive_t *dr = &e->drives[d];
+        if (!dr->threads)
+            continue;
+        pthread_mutex_lock(&dr->m);
+        dr->stop = 1;
+        pthread_cond_broadcast(&dr->c);
+        pthread_mutex_unlock(&dr->m);
+        for (int t = 0; t < dr->nthreads; t++) {
+            if (pthread_timedjoin_np(dr->threads[t], NULL, &deadline) != 0)
+                pthread_detach(dr->threads[t]);
+        }
+        free(dr->threads);
+        dr->threads = NULL;
+    }
+}
+
+/* -- planning: [start, end) -> runs of one drive each, as colifs.planner.runs() cuts them -------- */
+
+static uint32_t usable(engine_t *e, file_t *f) {
+    uint32_t m = f->mask & atomic_load(&e->up) & ~atomic_load(&f->dropped);
+    for (int d = 1; d < e->nrep; d++)
+        if ((m & (1u << d)) && atomic_load(&f->fd[d]) == FD_FAILED)
+            m &= ~(1u << d);
+    return m | 1u;
+}
+
+static uint32_t segment_at(const file_t *f, uint64_t off) {
+    uint32_t lo = 0, hi = f->nseg; /* last segment starting at or before off */
+    while (hi - lo > 1) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (f->seg_start[mid] <= off)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+typedef struct {
+    run_t *runs;
+    size_t n;
+    int started;
+    uint64_t bound;
+    int drive;
+} snapper_t;
+
+static void snap_emit(snapper_t *s, uint64_t a, uint64_t b, int d) {
+    if (a >= b)
+        return;
+    if (s->n && s->runs[s->n - 1].drive == d) {
+        s->runs[s->n - 1].end = b;
+        return;
+    }
+    s->runs[s->n++] = (run_t){a, b, d};
+}
+
+/* A run of drive d starts at s: run boundaries move to the nearest BLOCK multiple (every copy holds
+ * the same bytes), so each run is read with O_DIRECT straight into its place in one buffer. */
+static void snap_feed(snapper_t *s, uint64_t at, int d) {
+    if (!s->started) {
+        s->started = 1;
+        s->bound = at;
+        s->drive = d;
+        return;
+    }
+    uint64_t b = (at + BLOCK / 2) & ~(uint64_t)(BLOCK - 1);
+    snap_emit(s, s->bound, b, s->drive);
+    s->bound = b;
+    s->drive = d;
+}
+
+/* Cut [start, end) into runs (their last one ending at stop) and count what [off, end) asked of
+ * each key. Returns the number of runs. */
+static size_t plan(engine_t *e, file_t *f, uint32_t col, uint64_t start, uint64_t end, uint64_t stop,
+                   uint64_t off, run_t *runs) {
+    snapper_t s = {runs, 0, 0, 0, 0};
+    uint32_t i = segment_at(f, start);
+    uint64_t pos = start;
+    int have = 0, drive = 0;
+    int32_t last_key = -1;
+    while (pos < end && i < f->nseg) {
+        uint64_t seg_end = i + 1 < f->nseg ? f->seg_start[i + 1] : f->size;
+        uint64_t piece_end = seg_end < end ? seg_end : end;
+        int d = f->seg_drive[(size_t)i * (size_t)e->ncols + col];
+        int32_t k = f->seg_key[i];
+        uint64_t from = pos > off ? pos : off;
+        if (k >= 0 && piece_end > from) {
+            atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * (size_t)e->nrep + (size_t)d], piece_end - from);
+            if (k != last_key)
+                atomic_fetch_add(&e->ctr.key_reads[k], 1);
+            last_key = k;
+        }
+        if (!have || d != drive) {
+            snap_feed(&s, pos, d);
+            have = 1;
+            drive = d;
+        }
+        pos = piece_end;
+        i++;
+    }
+    if (!have)
+        snap_feed(&s, start, 0);
+    snap_emit(&s, s.bound, stop, s.drive);
+    return s.n;
+}
+
+/* -- reading ---------------------------------------------------------------------------------- */
+
+enum { RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT };
+
+typedef struct {
+    ssize_t got;
+    int status;
+    char what[200];
+} result_t;
+
+static uint64_t overlap(uint64_t s, uint64_t e, uint64_t off, uint64_t end) {
+    uint64_t a = s > off ? s : off, b = e < end ? e : end;
+    return b > a ? b - a : 0;
+}
+
+static int wait_jobs(engine_t *e, pending_t *p) {
+    int timed_out = 0;
+    struct timespec deadline;
+    if (e->mirror_timeout > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        double t = e->mirror_timeout;
+        deadline.tv_sec += (time_t)t;
+        deadline.tv_nsec += (long)((t - (double)(time_t)t) * 1e9);
+        if (deadline.tv_nsec >= 1000000000) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000;
+        }
+    }
+    pthread_mutex_lock(&p->m);
+    while (p->left > 0 && !timed_out) {
+        if (e->mirror_timeout > 0)
+            timed_out = pthread_cond_timedwait(&p->c, &p->m, &deadline) == ETIMEDOUT && p->left > 0;
+        else
+            pthread_cond_wait(&p->c, &p->m);
+    }
+    return timed_out; /* p->m stays locked: the caller collects the results */
+}
+
+static pthread_condattr_t mono_attr;
+static pthread_once_t mono_once = PTHREAD_ONCE_INIT;
+
+static void mono_init(void) {
+    pthread_condattr_init(&mono_attr);
+    pthread_condattr_setclock(&mono_attr, CLOCK_MONOTONIC);
+}
+
+static pending_t *pending_new(size_t njobs, char *buf) {
+    pending_t *p = calloc(1, sizeof(pending_t) + njobs * sizeof(job_t));
+    if (!p)
+        return NULL;
+    pthread_once(&mono_once, mono_init);
+    pthread_mutex_init(&p->m, NULL);
+    pthread_cond_init(&p->c, &mono_attr);
+    p->left = (int)njobs;
+    p->refs = (int)njobs + 1;
+    p->buf = buf;
+    return p;
+}
+
+/* Gave up waiting: the buffer the late reads write into goes with them; the finished runs' bytes
+ * are copied to a fresh one. Called with p->m held; releases it. */
+static char *abandon(pending_t *p, char *buf, size_t len, const run_t *runs, result_t *res, size_t n,
+                     uint64_t start) {
+    char *fresh = aligned(len);
+    if (fresh) {
+        for (size_t r = 0; r < n; r++)
+            if (res[r].status == RES_OK && res[r].got > 0)
+                memcpy(fresh + (runs[r].start - start), buf + (runs[r].start - start), (size_t)res[r].got);
+    }
+    lose_thread_buffer(buf);
+    p->abandoned = 1;
+    p->buf = buf;
+    int last;
+    pending_unref_locked(p, &last);
+    pthread_mutex_unlock(&p->m);
+    if (last)
+        pending_free(p);
+    return fresh;
+}
+
+typedef struct {
+    int kind, drive, timed_out;
+    char what[200];
+} note_t;
+
+/* A run read from the primary, inline on the request's thread; 0 or the errno. */
+static int read_primary(engine_t *e, file_t *f, char *dst, const run_t *run, result_t *res) {
+    atomic_fetch_add(&e->ctr.drive_busy[0], 1);
+    res->got = pread_full(atomic_load(&f->fd[0]), dst, run->end - run->start, run->start, f->direct[0]);
+    int err = res->got < 0 ? errno : 0;
+    atomic_fetch_sub(&e->ctr.drive_busy[0], 1);
+    res->status = err ? RES_FAILED : RES_OK;
+    if (err)
+        snprintf(res->what, sizeof res->what, "read error at %llu: %s", (unsigned long long)run->start,
+                 strerror(err));
+    return err;
+}
+
+void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offset) {
+    uint64_t off = (uint64_t)offset;
+    uint64_t end = off + size < f->size ? off + size : f->size;
+    if (off >= end) {
+        fuse_reply_buf(req, NULL, 0);
+        return;
+    }
+    size_t fi = (size_t)(f - e->files);
+    atomic_fetch_add(&e->ctr.file_bytes[fi], end - off);
+    atomic_fetch_add(&e->ctr.file_reads[fi], 1);
+    uint64_t start = off & ~(uint64_t)(BLOCK - 1);
+    uint64_t stop = (end + BLOCK - 1) & ~(uint64_t)(BLOCK - 1);
+    size_t len = stop - start, cap = len / BLOCK + 2;
+    run_t runs_small[REQ_BUF / BLOCK + 2];
+    result_t res_small[REQ_BUF / BLOCK + 2];
+    note_t notes_small[8];
+    int big = cap > REQ_BUF / BLOCK + 2;
+    run_t *runs = big ? malloc(cap * sizeof(run_t)) : runs_small;
+    result_t *res = big ? calloc(cap, sizeof(result_t)) : res_small;
+    note_t *notes = big ? calloc(cap, sizeof(note_t)) : notes_small;
+    size_t nnotes = 0, notes_cap = big ? cap : 8;
+    char *buf = request_buffer(len);
+    int err = 0;
+    if (!runs || !res || !notes || !buf) {
+        err = ENOMEM;
+        goto out;
+    }
+    uint32_t col = (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1);
+    size_t n = plan(e, f, col, start, end, stop, off, runs);
+    size_t nm = 0;
+    for (size_t r = 0; r < n; r++)
+        nm += runs[r].drive != 0;
+    pending_t *p = NULL;
+    if (nm) {
+        p = pending_new(nm, buf);
+        if (!p) {
+            err = ENOMEM;
+            goto out;
+        }
+        size_t j = 0;
+        for (size_t r = 0; r < n; r++) {
+            if (!runs[r].drive)
+                continue;
+            job_t *jb = &p->jobs[j++];
+            *jb = (job_t){.p = p, .f = f, .drive = runs[r].drive, .run = (int)r,
+                          .dst = buf + (runs[r].start - start), .off = runs[r].start,
+                          .len = runs[r].end - runs[r].start};
+            submit(e, jb);
+        }
+    }
+    for (size_t r = 0; r < n; r++) {
+        if (runs[r].drive)
+            continue;
+        int rerr = read_primary(e, f, buf + (runs[r].start - start), &runs[r], &res[r]);
+        if (rerr)
+            err = rerr;
+    }
+    if (p) {
+        int timed_out = wait_jobs(e, p); /* returns with p->m held */
+        for (size_t j = 0; j < nm; j++) {
+            job_t *jb = &p->jobs[j];
+            result_t *rs = &res[jb->run];
+            uint64_t want = (runs[jb->run].end < f->size ? runs[jb->run].end : f->size) - runs[jb->run].start;
+            if (!jb->done) {
+                rs->status = RES_TIMEOUT;
+                snprintf(rs->what, sizeof rs->what, "timeout at %llu: no answer within %g s",
+                         (unsigned long long)jb->off, e->mirror_timeout);
+            } else if (jb->changed) {
+                rs->status = RES_CHANGED;
+                memcpy(rs->what, jb->what, sizeof rs->what);
+            } else if (jb->got < 0) {
+                rs->status = RES_FAILED;
+                memcpy(rs->what, jb->what, sizeof rs->what);
+            } else if ((uint64_t)jb->got < want) {
+                rs->status = RES_FAILED;
+                snprintf(rs->what, sizeof rs->what, "short read at %llu: %lld of %llu bytes",
+                         (unsigned long long)jb->off, (long long)jb->got, (unsigned long long)want);
+            } else {
+                rs->status = RES_OK;
+                rs->got = jb->got;
+            }
+        }
+        if (timed_out) {
+            buf = abandon(p, buf, len, runs, res, n, start);
+            if (!buf) {
+                err = ENOMEM;
+                goto out;
+            }
+        } else {
+            int last;
+            pending_unref_locked(p, &last);
+            pthread_mutex_unlock(&p->m);
+            if (last)
+                pending_free(p);
+        }
+    }
+    /* Mirror runs that failed: noted for Python, re-read from the primary. */
+    for (size_t r = 0; r < n && !err; r++) {
+        int d = runs[r].drive;
+        if (!d)
+            continue;
+        if (res[r].status == RES_OK) {
+            atomic_fetch_add(&e->ctr.drive_bytes[d], overlap(runs[r].start, runs[r].end, off, end));
+            atomic_fetch_add(&e->ctr.drive_reads[d], 1);
+            atomic_fetch_add(&e->ctr.drive_ok[d], 1);
+            continue;
+        }
+        atomic_fetch_add(&e->ctr.drive_errors[d], 1);
+        atomic_fetch_add(e->ctr.fallbacks, 1);
+        if (res[r].status == RES_CHANGED)
+            atomic_fetch_or(&f->dropped, 1u << d);
+        if (nnotes < notes_cap) {
+            note_t *nt = &notes[nnotes++];
+            nt->kind = res[r].status == RES_CHANGED ? EV_MIRROR_CHANGED : EV_MIRROR_FAILED;
+            nt->drive = d;
+            nt->timed_out = res[r].status == RES_TIMEOUT;
+            memcpy(nt->what, res[r].what, sizeof nt->what);
+        }
+        runs[r].drive = 0;
+        int rerr = read_primary(e, f, buf + (runs[r].start - start), &runs[r], &res[r]);
+        if (rerr)
+            err = rerr;
+    }
+    if (err) {
+        for (size_t r = 0; r < n; r++) {
+            if (runs[r].drive == 0 && res[r].status == RES_FAILED && nnotes < notes_cap) {
+                note_t *nt = &notes[nnotes++];
+                nt->kind = EV_PRIMARY_FAILED;
+                nt->drive = 0;
+                nt->timed_out = 0;
+                memcpy(nt->what, res[r].what, sizeof nt->what);
+                atomic_fetch_add(&e->ctr.drive_errors[0], 1);
+                break;
+            }
+        }
+        goto out;
+    }
+    uint64_t valid = start;
+    for (size_t r = 0; r < n; r++) {
+        if (runs[r].drive == 0) {
+            atomic_fetch_add(&e->ctr.drive_bytes[0],
+                             overlap(runs[r].start, runs[r].start + (uint64_t)res[r].got, off, end));
+            atomic_fetch_add(&e->ctr.drive_reads[0], 1);
+        }
+        valid += (uint64_t)res[r].got;
+        if ((uint64_t)res[r].got < runs[r].end - runs[r].start)
+            break; /* end of file (or the file shrank under us) */
+    }
+    if (valid > end)
+        valid = end;
+    fuse_reply_buf(req, valid > off ? buf + (off - start) : NULL, valid > off ? valid - off : 0);
+out:
+    if (err)
+        fuse_reply_err(req, err);
+    for (size_t i = 0; i < nnotes; i++)
+        e->event(e->py, notes[i].kind, notes[i].drive, (int32_t)fi, notes[i].what, notes[i].timed_out,
+                 atomic_load(&e->ctr.drive_ok[notes[i].drive]));
+    if (buf)
+        done_with(buf);
+    if (big) {
+        free(runs);
+        free(res);
+        free(notes);
+    }
+}

@@ -1,0 +1,152 @@
+/* colifs native engine: the per-request path in C, fed immutable tables computed in Python.
+ *
+ * Python decides (tree, headers, validation, routing, health policy, usage, stats); this code
+ * serves: it answers the FUSE requests from the tables on libfuse's multi-threaded loop
+ * (clone_fd), reads the drives with O_DIRECT into per-thread aligned buffers, issues the
+ * mirror pieces of a request on their drives' threads while the primary pieces are read inline,
+ * re-reads from the primary whatever a mirror failed (error, short read, timeout, changed file),
+ * and keeps shared counters that Python reads.
+ *
+ * Files: fs.c (the FUSE handlers), drives.c (per-drive threads and the read fan-out),
+ * module.c (the Python type that builds the tables and runs the loop).
+ */
+#ifndef COLIFS_ENGINE_H
+#define COLIFS_ENGINE_H
+
+#define FUSE_USE_VERSION 312
+#include <fuse_lowlevel.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+
+#define MAX_REPLICAS 8     /* run tables hold one column per set of usable mirrors: 2^(n-1) */
+#define BLOCK 4096         /* O_DIRECT alignment that is safe on every filesystem here */
+#define REQUEST (1u << 20) /* the largest FUSE read request (max_pages 256) */
+#define REQ_BUF (REQUEST + 2 * BLOCK)
+#define FD_CLOSED (-1)
+#define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open */
+
+enum node_kind { NODE_DIR = 1, NODE_REG, NODE_LNK, NODE_CONTROL_DIR, NODE_CONTROL_FILE };
+
+/* Events the read path reports to Python (the health policy and the logs live there). */
+enum event_kind {
+    EV_MIRROR_FAILED = 1, /* a mirror read or open failed; the primary answered instead */
+    EV_MIRROR_CHANGED,    /* a mirror copy changed after mount: dropped for that file */
+    EV_PRIMARY_FAILED,    /* the primary failed a read: the caller gets the errno */
+    EV_NO_DIRECT,         /* a drive's filesystem refused O_DIRECT: read buffered */
+};
+
+typedef struct {
+    uint64_t dev, ino, size;
+    int64_t mtime_ns;
+} ident_t;
+
+typedef struct {
+    uint64_t ino;
+    struct stat st;
+    int kind;
+    int32_t file;                 /* index into files, or -1 */
+    uint32_t first_child, nchildren; /* into engine.children, in readdir order */
+    char *target;                 /* symlinks */
+    size_t target_len;
+    double timeout;               /* attr/entry timeout */
+} node_t;
+
+typedef struct {
+    char *name;
+    uint64_t ino;
+} child_t;
+
+typedef struct {
+    char *relpath;
+    uint64_t size;
+    uint32_t mask;             /* replicas holding a valid copy (bit d: drive d; bit 0 always) */
+    _Atomic uint32_t dropped;  /* mirrors changed since mount: never used again for this file */
+    ident_t ident[MAX_REPLICAS];
+    /* Run table: segment i is [start[i], start[i+1]) (the last ends at size), key[i] (-1: none),
+     * drive[i * ncols + c] for column c = the set of usable mirrors (bit d-1: mirror d). */
+    uint32_t nseg;
+    uint64_t *seg_start;
+    int32_t *seg_key;
+    uint8_t *seg_drive;
+    /* Descriptors, shared by all opens of the file. */
+    pthread_mutex_t lock;
+    int refs;
+    _Atomic int fd[MAX_REPLICAS];
+    int direct[MAX_REPLICAS];
+} file_t;
+
+struct job;
+
+struct engine;
+
+typedef struct {
+    struct engine *e;
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    struct job *head, *tail;
+    int stop;
+    pthread_t *threads;
+    int nthreads;
+} drive_t;
+
+/* Counters, read by Python through memoryviews (64-bit aligned: plain loads are atomic). */
+typedef struct {
+    _Atomic uint64_t *drive_bytes, *drive_reads, *drive_errors, *drive_busy;
+    _Atomic uint64_t *fallbacks;          /* [0] */
+    _Atomic uint64_t *key_bytes;          /* nkeys x nrep: bytes routed per key and drive */
+    _Atomic uint64_t *key_reads;          /* nkeys */
+    _Atomic uint64_t *file_bytes, *file_reads; /* nfiles */
+    _Atomic uint64_t *drive_ok;           /* successful mirror reads: health needs "in a row" */
+} counters_t;
+
+typedef struct engine {
+    int nrep, ncols;
+    char *roots[MAX_REPLICAS];
+    int direct_io;             /* open the drives O_DIRECT (fallback to buffered per file system) */
+    double mirror_timeout;     /* seconds; 0: wait for ever */
+    int fuse_threads, drive_threads;
+    _Atomic uint32_t up;       /* drives in the routing (bit d); the primary's bit is always set */
+    _Atomic uint32_t no_direct_warned;
+
+    node_t *nodes;             /* sorted by ino */
+    size_t nnodes;
+    child_t *children;
+    size_t nchildren;
+    file_t *files;
+    size_t nfiles;
+    size_t nkeys;
+
+    counters_t ctr;
+
+    drive_t drives[MAX_REPLICAS];
+    struct fuse_session *se;
+    char *mountpoint;
+    pthread_t loop_thread;
+    _Atomic int looping;
+
+    /* Calls into Python: rare requests (control files, xattrs) and events. Set by module.c. */
+    void *py;
+    int (*control)(void *py, uint64_t ino, char **data, size_t *len);
+    int (*xattr)(void *py, uint64_t ino, const char *name, char **data, size_t *len);
+    int (*listxattr)(void *py, uint64_t ino, char **data, size_t *len);
+    void (*event)(void *py, int kind, int drive, int32_t file, const char *text, int timed_out,
+                  uint64_t successes);
+} engine_t;
+
+/* fs.c */
+extern const struct fuse_lowlevel_ops colifs_ops;
+node_t *engine_node(engine_t *e, uint64_t ino);
+
+/* drives.c */
+int drives_start(engine_t *e);
+void drives_stop(engine_t *e);
+void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off);
+int file_open(engine_t *e, file_t *f);
+void file_release(engine_t *e, file_t *f);
+int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
+
+#endif

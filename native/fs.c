@@ -1,0 +1,326 @@
+/* The FUSE handlers: the namespace answered from the tables, reads by drives.c, control files and
+ * extended attributes by Python (rare requests). Read-only everywhere. Every handler replies
+ * exactly once, with an errno where something failed: nothing here can end the loop.
+ */
+#define _GNU_SOURCE
+#include "engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/statvfs.h>
+
+enum { H_FILE = 1, H_CONTROL };
+
+typedef struct {
+    int kind;
+    file_t *f;
+    char *data; /* control files: the snapshot taken at open */
+    size_t len;
+} handle_t;
+
+static engine_t *eng(fuse_req_t req) { return fuse_req_userdata(req); }
+
+node_t *engine_node(engine_t *e, uint64_t ino) {
+    size_t lo = 0, hi = e->nnodes;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (e->nodes[mid].ino < ino)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < e->nnodes && e->nodes[lo].ino == ino ? &e->nodes[lo] : NULL;
+}
+
+/* The attributes of a node; a control file's size is that of its content now. */
+static int attr_of(engine_t *e, node_t *n, struct stat *st) {
+    *st = n->st;
+    if (n->kind == NODE_CONTROL_FILE) {
+        char *data;
+        size_t len;
+        int err = e->control(e->py, n->ino, &data, &len);
+        if (err)
+            return err;
+        free(data);
+        st->st_size = (off_t)len;
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        st->st_atim = st->st_mtim = st->st_ctim = now;
+    }
+    return 0;
+}
+
+static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
+    engine_t *e = eng(req);
+    node_t *p = engine_node(e, parent);
+    if (!p || (p->kind != NODE_DIR && p->kind != NODE_CONTROL_DIR)) {
+        fuse_reply_err(req, p ? ENOTDIR : ENOENT);
+        return;
+    }
+    for (uint32_t i = 0; i < p->nchildren; i++) {
+        child_t *c = &e->children[p->first_child + i];
+        if (strcmp(c->name, name) != 0)
+            continue;
+        node_t *n = engine_node(e, c->ino);
+        struct fuse_entry_param ep;
+        memset(&ep, 0, sizeof ep);
+        int err = n ? attr_of(e, n, &ep.attr) : ENOENT;
+        if (err) {
+            fuse_reply_err(req, err);
+            return;
+        }
+        ep.ino = n->ino;
+        ep.attr_timeout = ep.entry_timeout = n->timeout;
+        fuse_reply_entry(req, &ep);
+        return;
+    }
+    fuse_reply_err(req, ENOENT);
+}
+
+static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    (void)fi;
+    engine_t *e = eng(req);
+    node_t *n = engine_node(e, ino);
+    struct stat st;
+    int err = n ? attr_of(e, n, &st) : ENOENT;
+    if (err)
+        fuse_reply_err(req, err);
+    else
+        fuse_reply_attr(req, &st, n->timeout);
+}
+
+static void op_readlink(fuse_req_t req, fuse_ino_t ino) {
+    node_t *n = engine_node(eng(req), ino);
+    if (!n || n->kind != NODE_LNK)
+        fuse_reply_err(req, EINVAL);
+    else
+        fuse_reply_readlink(req, n->target);
+}
+
+static void op_opendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    node_t *n = engine_node(eng(req), ino);
+    if (!n || (n->kind != NODE_DIR && n->kind != NODE_CONTROL_DIR)) {
+        fuse_reply_err(req, ENOTDIR);
+        return;
+    }
+    fi->fh = ino;
+    fuse_reply_open(req, fi);
+}
+
+static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    (void)fi;
+    engine_t *e = eng(req);
+    node_t *n = engine_node(e, ino);
+    if (!n || (n->kind != NODE_DIR && n->kind != NODE_CONTROL_DIR)) {
+        fuse_reply_err(req, ENOTDIR);
+        return;
+    }
+    char *buf = malloc(size);
+    if (!buf) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    size_t used = 0;
+    for (uint32_t i = off < 0 ? 0 : (uint32_t)off; i < n->nchildren; i++) {
+        child_t *c = &e->children[n->first_child + i];
+        node_t *cn = engine_node(e, c->ino);
+        struct stat st;
+        memset(&st, 0, sizeof st);
+        st.st_ino = c->ino;
+        st.st_mode = cn ? cn->st.st_mode : 0;
+        size_t need = fuse_add_direntry(req, buf + used, size - used, c->name, &st, (off_t)i + 1);
+        if (need > size - used)
+            break;
+        used += need;
+    }
+    fuse_reply_buf(req, buf, used);
+    free(buf);
+}
+
+static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    engine_t *e = eng(req);
+    if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) {
+        fuse_reply_err(req, EROFS);
+        return;
+    }
+    node_t *n = engine_node(e, ino);
+    if (!n) {
+        fuse_reply_err(req, ENOENT);
+        return;
+    }
+    handle_t *h = calloc(1, sizeof *h);
+    if (!h) {
+        fuse_reply_err(req, ENOMEM);
+        return;
+    }
+    if (n->kind == NODE_CONTROL_FILE) {
+        /* A snapshot per open, read with direct I/O: every reader sees current numbers. */
+        int err = e->control(e->py, ino, &h->data, &h->len);
+        if (err) {
+            free(h);
+            fuse_reply_err(req, err);
+            return;
+        }
+        h->kind = H_CONTROL;
+        fi->direct_io = 1;
+        fi->keep_cache = 0;
+    } else if (n->file >= 0) {
+        file_t *f = &e->files[n->file];
+        int err = file_open(e, f);
+        if (err) {
+            free(h);
+            fuse_reply_err(req, err);
+            return;
+        }
+        h->kind = H_FILE;
+        h->f = f;
+        fi->keep_cache = 1; /* the files are immutable: the page cache stays valid across opens */
+    } else {
+        free(h);
+        fuse_reply_err(req, n->kind == NODE_DIR || n->kind == NODE_CONTROL_DIR ? EISDIR : EINVAL);
+        return;
+    }
+    fi->fh = (uint64_t)(uintptr_t)h;
+    if (fuse_reply_open(req, fi) != 0) { /* the opener is gone (interrupted): nobody will release */
+        if (h->kind == H_FILE)
+            file_release(e, h->f);
+        free(h->data);
+        free(h);
+    }
+}
+
+static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    (void)ino;
+    handle_t *h = (handle_t *)(uintptr_t)fi->fh;
+    if (h->kind == H_CONTROL) {
+        size_t o = off < 0 ? 0 : (size_t)off;
+        size_t n = o < h->len ? h->len - o : 0;
+        fuse_reply_buf(req, h->data + (o < h->len ? o : h->len), n < size ? n : size);
+        return;
+    }
+    serve_read(eng(req), req, h->f, size, off);
+}
+
+static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
+    (void)ino;
+    handle_t *h = (handle_t *)(uintptr_t)fi->fh;
+    if (h->kind == H_FILE)
+        file_release(eng(req), h->f);
+    free(h->data);
+    free(h);
+    fuse_reply_err(req, 0);
+}
+
+static void op_statfs(fuse_req_t req, fuse_ino_t ino) {
+    (void)ino;
+    struct statvfs st;
+    if (statvfs(eng(req)->roots[0], &st) != 0)
+        fuse_reply_err(req, errno ? errno : EIO);
+    else
+        fuse_reply_statfs(req, &st);
+}
+
+static void reply_xattr(fuse_req_t req, int err, char *data, size_t len, size_t size) {
+    if (err)
+        fuse_reply_err(req, err);
+    else if (size == 0)
+        fuse_reply_xattr(req, len);
+    else if (len > size)
+        fuse_reply_err(req, ERANGE);
+    else
+        fuse_reply_buf(req, data, len);
+    free(data);
+}
+
+static void op_getxattr(fuse_req_t req, fuse_ino_t ino, const char *name, size_t size) {
+    engine_t *e = eng(req);
+    char *data = NULL;
+    size_t len = 0;
+    int err = e->xattr(e->py, ino, name, &data, &len);
+    reply_xattr(req, err, data, len, size);
+}
+
+static void op_listxattr(fuse_req_t req, fuse_ino_t ino, size_t size) {
+    engine_t *e = eng(req);
+    char *data = NULL;
+    size_t len = 0;
+    int err = e->listxattr(e->py, ino, &data, &len);
+    reply_xattr(req, err, data, len, size);
+}
+
+/* Every write path: a read-only filesystem. */
+static void erofs(fuse_req_t req) { fuse_reply_err(req, EROFS); }
+static void op_setattr(fuse_req_t req, fuse_ino_t i, struct stat *a, int s, struct fuse_file_info *fi) {
+    (void)i, (void)a, (void)s, (void)fi;
+    erofs(req);
+}
+static void op_mknod(fuse_req_t req, fuse_ino_t p, const char *n, mode_t m, dev_t d) {
+    (void)p, (void)n, (void)m, (void)d;
+    erofs(req);
+}
+static void op_mkdir(fuse_req_t req, fuse_ino_t p, const char *n, mode_t m) {
+    (void)p, (void)n, (void)m;
+    erofs(req);
+}
+static void op_unlink(fuse_req_t req, fuse_ino_t p, const char *n) {
+    (void)p, (void)n;
+    erofs(req);
+}
+static void op_symlink(fuse_req_t req, const char *l, fuse_ino_t p, const char *n) {
+    (void)l, (void)p, (void)n;
+    erofs(req);
+}
+static void op_rename(fuse_req_t req, fuse_ino_t p, const char *n, fuse_ino_t np, const char *nn,
+                      unsigned int f) {
+    (void)p, (void)n, (void)np, (void)nn, (void)f;
+    erofs(req);
+}
+static void op_link(fuse_req_t req, fuse_ino_t i, fuse_ino_t np, const char *nn) {
+    (void)i, (void)np, (void)nn;
+    erofs(req);
+}
+static void op_write(fuse_req_t req, fuse_ino_t i, const char *b, size_t s, off_t o,
+                     struct fuse_file_info *fi) {
+    (void)i, (void)b, (void)s, (void)o, (void)fi;
+    erofs(req);
+}
+static void op_create(fuse_req_t req, fuse_ino_t p, const char *n, mode_t m, struct fuse_file_info *fi) {
+    (void)p, (void)n, (void)m, (void)fi;
+    erofs(req);
+}
+static void op_setxattr(fuse_req_t req, fuse_ino_t i, const char *n, const char *v, size_t s, int f) {
+    (void)i, (void)n, (void)v, (void)s, (void)f;
+    erofs(req);
+}
+static void op_removexattr(fuse_req_t req, fuse_ino_t i, const char *n) {
+    (void)i, (void)n;
+    erofs(req);
+}
+
+const struct fuse_lowlevel_ops colifs_ops = {
+    .lookup = op_lookup,
+    .getattr = op_getattr,
+    .readlink = op_readlink,
+    .opendir = op_opendir,
+    .readdir = op_readdir,
+    .open = op_open,
+    .read = op_read,
+    .release = op_release,
+    .statfs = op_statfs,
+    .getxattr = op_getxattr,
+    .listxattr = op_listxattr,
+    .setattr = op_setattr,
+    .mknod = op_mknod,
+    .mkdir = op_mkdir,
+    .unlink = op_unlink,
+    .rmdir = op_unlink,
+    .symlink = op_symlink,
+    .rename = op_rename,
+    .link = op_link,
+    .write = op_write,
+    .create = op_create,
+    .setxattr = op_setxattr,
+    .removexattr = op_removexattr,
+};

@@ -1,0 +1,575 @@
+/* colifs._native.Engine: takes the tables Python computed, mounts, runs libfuse's multi-threaded
+ * loop without the GIL, and calls back into Python only for control files, extended attributes
+ * and read-path events (failures). Counters are shared memory, read through memoryviews.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "engine.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct {
+    PyObject_HEAD engine_t e;
+    PyObject *control, *xattr, *listxattr, *event;
+    Py_buffer counters; /* Python's memory: it reads the counters while this engine writes them */
+    int mounted, destroyed, have_counters;
+} EngineObject;
+
+#define WAKE_SIGNAL (SIGRTMIN + 5) /* interrupts the loop's wait once the session is told to exit */
+
+static void wake(int sig) { (void)sig; }
+
+/* -- calls into Python (from FUSE threads: take the GIL) --------------------------------------- */
+
+/* The bytes a callable returned, copied; an int is an errno. */
+static int take_bytes(PyObject *r, char **data, size_t *len) {
+    if (!r) {
+        PyErr_WriteUnraisable(NULL);
+        return EIO;
+    }
+    int err = 0;
+    if (PyLong_Check(r)) {
+        err = (int)PyLong_AsLong(r);
+        if (err <= 0)
+            err = EIO;
+    } else if (PyBytes_Check(r)) {
+        *len = (size_t)PyBytes_GET_SIZE(r);
+        *data = malloc(*len ? *len : 1);
+        if (*data)
+            memcpy(*data, PyBytes_AS_STRING(r), *len);
+        else
+            err = ENOMEM;
+    } else {
+        err = EIO;
+    }
+    Py_DECREF(r);
+    return err;
+}
+
+static int py_control(void *py, uint64_t ino, char **data, size_t *len) {
+    EngineObject *self = py;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int err = take_bytes(PyObject_CallFunction(self->control, "K", (unsigned long long)ino), data, len);
+    PyGILState_Release(g);
+    return err;
+}
+
+static int py_xattr(void *py, uint64_t ino, const char *name, char **data, size_t *len) {
+    EngineObject *self = py;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int err = take_bytes(PyObject_CallFunction(self->xattr, "Ky", (unsigned long long)ino, name), data, len);
+    PyGILState_Release(g);
+    return err;
+}
+
+static int py_listxattr(void *py, uint64_t ino, char **data, size_t *len) {
+    EngineObject *self = py;
+    PyGILState_STATE g = PyGILState_Ensure();
+    int err = take_bytes(PyObject_CallFunction(self->listxattr, "K", (unsigned long long)ino), data, len);
+    PyGILState_Release(g);
+    return err;
+}
+
+static void py_event(void *py, int kind, int drive, int32_t file, const char *text, int timed_out,
+                     uint64_t successes) {
+    EngineObject *self = py;
+    PyGILState_STATE g = PyGILState_Ensure();
+    PyObject *r = PyObject_CallFunction(self->event, "iiiy#iK", kind, drive, (int)file, text,
+                                        (Py_ssize_t)strlen(text), timed_out, (unsigned long long)successes);
+    if (!r)
+        PyErr_WriteUnraisable(self->event);
+    Py_XDECREF(r);
+    PyGILState_Release(g);
+}
+
+/* -- tables ------------------------------------------------------------------------------------ */
+
+static char *dup_bytes(PyObject *b) {
+    if (!PyBytes_Check(b)) {
+        PyErr_SetString(PyExc_TypeError, "expected bytes");
+        return NULL;
+    }
+    Py_ssize_t n = PyBytes_GET_SIZE(b);
+    char *s = malloc((size_t)n + 1);
+    if (!s) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    memcpy(s, PyBytes_AS_STRING(b), (size_t)n);
+    s[n] = 0;
+    return s;
+}
+
+static void set_time(struct timespec *t, long long ns) {
+    t->tv_sec = (time_t)(ns / 1000000000LL);
+    t->tv_nsec = (long)(ns % 1000000000LL);
+}
+
+static int load_nodes(engine_t *e, PyObject *nodes, size_t nchildren) {
+    Py_ssize_t n = PySequence_Size(nodes);
+    if (n < 0)
+        return -1;
+    e->nodes = calloc((size_t)n + 1, sizeof(node_t));
+    if (!e->nodes) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_GetItem(nodes, i);
+        if (!t)
+            return -1;
+        node_t *nd = &e->nodes[i];
+        unsigned long long ino, size, blocks;
+        unsigned int mode, nlink, uid, gid, first, count;
+        long long at, mt, ct;
+        int kind, file;
+        double timeout;
+        PyObject *target;
+        int ok = PyArg_ParseTuple(t, "KiiIIIIKKLLLdSII", &ino, &kind, &file, &mode, &nlink, &uid, &gid, &size,
+                                  &blocks, &at, &mt, &ct, &timeout, &target, &first, &count);
+        if (ok) {
+            nd->ino = ino;
+            nd->kind = kind;
+            nd->file = file;
+            nd->st.st_ino = (ino_t)ino;
+            nd->st.st_mode = mode;
+            nd->st.st_nlink = nlink;
+            nd->st.st_uid = uid;
+            nd->st.st_gid = gid;
+            nd->st.st_size = (off_t)size;
+            nd->st.st_blksize = REQUEST;
+            nd->st.st_blocks = (blkcnt_t)blocks;
+            set_time(&nd->st.st_atim, at);
+            set_time(&nd->st.st_mtim, mt);
+            set_time(&nd->st.st_ctim, ct);
+            nd->timeout = timeout;
+            nd->target = dup_bytes(target);
+            nd->target_len = (size_t)PyBytes_GET_SIZE(target);
+            nd->first_child = first;
+            nd->nchildren = count;
+            ok = nd->target != NULL;
+            if (ok && ((size_t)first + count > nchildren || (file >= 0 && (size_t)file >= e->nfiles) ||
+                       (i > 0 && e->nodes[i - 1].ino >= ino))) {
+                PyErr_SetString(PyExc_ValueError, "node table out of range or not sorted by inode");
+                ok = 0;
+            }
+        }
+        Py_DECREF(t);
+        if (!ok)
+            return -1;
+        e->nnodes = (size_t)i + 1;
+    }
+    return 0;
+}
+
+static int load_children(engine_t *e, PyObject *children) {
+    Py_ssize_t n = PySequence_Size(children);
+    if (n < 0)
+        return -1;
+    e->children = calloc((size_t)n + 1, sizeof(child_t));
+    if (!e->children) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_GetItem(children, i);
+        if (!t)
+            return -1;
+        PyObject *name;
+        unsigned long long ino;
+        int ok = PyArg_ParseTuple(t, "SK", &name, &ino);
+        if (ok) {
+            e->children[i].name = dup_bytes(name);
+            e->children[i].ino = ino;
+            ok = e->children[i].name != NULL;
+        }
+        Py_DECREF(t);
+        if (!ok)
+            return -1;
+        e->nchildren = (size_t)i + 1;
+    }
+    return 0;
+}
+
+static int load_file(engine_t *e, file_t *f, PyObject *t) {
+    PyObject *relpath, *idents;
+    const char *starts, *keys, *drives;
+    Py_ssize_t ns, nk, nd;
+    unsigned long long size;
+    unsigned int mask;
+    if (!PyArg_ParseTuple(t, "SKIOy#y#y#", &relpath, &size, &mask, &idents, &starts, &ns, &keys, &nk, &drives,
+                          &nd))
+        return -1;
+    f->relpath = dup_bytes(relpath);
+    if (!f->relpath)
+        return -1;
+    f->size = size;
+    f->mask = mask | 1u;
+    pthread_mutex_init(&f->lock, NULL);
+    for (int d = 0; d < MAX_REPLICAS; d++)
+        atomic_init(&f->fd[d], FD_CLOSED);
+    if (PySequence_Size(idents) != e->nrep) {
+        PyErr_SetString(PyExc_ValueError, "one identity per replica expected");
+        return -1;
+    }
+    for (int d = 0; d < e->nrep; d++) {
+        PyObject *id = PySequence_GetItem(idents, d);
+        if (!id)
+            return -1;
+        unsigned long long dev, ino, sz;
+        long long mt;
+        int ok = PyArg_ParseTuple(id, "KKKL", &dev, &ino, &sz, &mt);
+        Py_DECREF(id);
+        if (!ok)
+            return -1;
+        f->ident[d] = (ident_t){dev, ino, sz, mt};
+    }
+    uint32_t nseg = (uint32_t)(ns / 8);
+    if (ns % 8 || nk != (Py_ssize_t)nseg * 4 || nd != (Py_ssize_t)nseg * e->ncols || (size && !nseg)) {
+        PyErr_SetString(PyExc_ValueError, "run table sizes do not agree");
+        return -1;
+    }
+    f->nseg = nseg;
+    f->seg_start = malloc((size_t)ns + 8);
+    f->seg_key = malloc((size_t)nk + 4);
+    f->seg_drive = malloc((size_t)nd + 1);
+    if (!f->seg_start || !f->seg_key || !f->seg_drive) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(f->seg_start, starts, (size_t)ns);
+    memcpy(f->seg_key, keys, (size_t)nk);
+    memcpy(f->seg_drive, drives, (size_t)nd);
+    for (uint32_t i = 0; i < nseg; i++) {
+        int bad = (i == 0 ? f->seg_start[0] != 0 : f->seg_start[i] <= f->seg_start[i - 1]) ||
+                  f->seg_start[i] >= size || f->seg_key[i] < -1 || f->seg_key[i] >= (int32_t)e->nkeys;
+        for (int c = 0; c < e->ncols && !bad; c++) {
+            int d = f->seg_drive[(size_t)i * (size_t)e->ncols + (size_t)c];
+            bad = d >= e->nrep || (d && !((uint32_t)(c << 1) & (1u << d)) ) || !(f->mask & (1u << d));
+        }
+        if (bad) {
+            PyErr_Format(PyExc_ValueError, "run table of %s: bad segment %u", f->relpath, i);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int load_files(engine_t *e, PyObject *files) {
+    Py_ssize_t n = PySequence_Size(files);
+    if (n < 0)
+        return -1;
+    e->files = calloc((size_t)n + 1, sizeof(file_t));
+    if (!e->files) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->nfiles = (size_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *t = PySequence_GetItem(files, i);
+        if (!t)
+            return -1;
+        int r = load_file(e, &e->files[i], t);
+        Py_DECREF(t);
+        if (r)
+            return -1;
+    }
+    return 0;
+}
+
+/* The counters live in memory Python owns, laid out as colifs.native.counter_layout() says. */
+static int map_counters(engine_t *e, Py_buffer *buf) {
+    size_t r = (size_t)e->nrep;
+    size_t words = 5 * r + 1 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
+        PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
+        return -1;
+    }
+    memset(buf->buf, 0, words * 8);
+    _Atomic uint64_t *p = buf->buf;
+    e->ctr.drive_bytes = p, p += r;
+    e->ctr.drive_reads = p, p += r;
+    e->ctr.drive_errors = p, p += r;
+    e->ctr.drive_busy = p, p += r;
+    e->ctr.drive_ok = p, p += r;
+    e->ctr.fallbacks = p, p += 1;
+    e->ctr.key_bytes = p, p += e->nkeys * r;
+    e->ctr.key_reads = p, p += e->nkeys;
+    e->ctr.file_bytes = p, p += e->nfiles;
+    e->ctr.file_reads = p;
+    return 0;
+}
+
+/* -- the type ---------------------------------------------------------------------------------- */
+
+static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
+                            "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
+                            "xattr", "listxattr", "event", NULL};
+    const char *mnt, *opts;
+    PyObject *roots, *nodes, *children, *files, *counters;
+    int direct, fuse_threads, drive_threads;
+    double timeout;
+    Py_ssize_t nkeys;
+    if (self->e.nrep) {
+        PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOO", names, &mnt, &opts, &roots, &direct,
+                                     &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
+                                     &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event))
+        return -1;
+    Py_INCREF(self->control);
+    Py_INCREF(self->xattr);
+    Py_INCREF(self->listxattr);
+    Py_INCREF(self->event);
+    engine_t *e = &self->e;
+    Py_ssize_t nrep = PySequence_Size(roots);
+    if (nrep < 1 || nrep > MAX_REPLICAS || fuse_threads < 1 || drive_threads < 1 || nkeys < 0) {
+        PyErr_Format(PyExc_ValueError, "1 to %d replicas, and at least one thread of each kind", MAX_REPLICAS);
+        return -1;
+    }
+    e->nrep = (int)nrep;
+    e->ncols = 1 << (e->nrep - 1);
+    for (int d = 0; d < e->nrep; d++) {
+        PyObject *b = PySequence_GetItem(roots, d);
+        e->roots[d] = b ? dup_bytes(b) : NULL;
+        Py_XDECREF(b);
+        if (!e->roots[d])
+            return -1;
+    }
+    e->direct_io = direct;
+    e->fuse_threads = fuse_threads;
+    e->drive_threads = drive_threads;
+    e->mirror_timeout = timeout;
+    e->nkeys = (size_t)nkeys;
+    atomic_init(&e->up, (1u << e->nrep) - 1);
+    e->mountpoint = strdup(mnt);
+    e->py = self;
+    e->control = py_control;
+    e->xattr = py_xattr;
+    e->listxattr = py_listxattr;
+    e->event = py_event;
+    if (load_files(e, files) || load_children(e, children))
+        return -1;
+    if (load_nodes(e, nodes, e->nchildren))
+        return -1;
+    if (PyObject_GetBuffer(counters, &self->counters, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS))
+        return -1;
+    self->have_counters = 1;
+    if (map_counters(e, &self->counters))
+        return -1;
+    for (size_t i = 0; i < e->nchildren; i++) {
+        if (!engine_node(e, e->children[i].ino)) {
+            PyErr_SetString(PyExc_ValueError, "a directory entry names an unknown inode");
+            return -1;
+        }
+    }
+    struct fuse_args fa = FUSE_ARGS_INIT(0, NULL);
+    if (fuse_opt_add_arg(&fa, "colifs") || fuse_opt_add_arg(&fa, "-o") || fuse_opt_add_arg(&fa, opts)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->se = fuse_session_new(&fa, &colifs_ops, sizeof colifs_ops, e);
+    fuse_opt_free_args(&fa);
+    if (!e->se) {
+        PyErr_SetString(PyExc_RuntimeError, "fuse_session_new failed (bad options?)");
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *Engine_mount(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    engine_t *e = &self->e;
+    if (!e->se || self->mounted) {
+        PyErr_SetString(PyExc_RuntimeError, "not initialised, or mounted already");
+        return NULL;
+    }
+    int res;
+    Py_BEGIN_ALLOW_THREADS res = fuse_session_mount(e->se, e->mountpoint);
+    Py_END_ALLOW_THREADS if (res != 0) {
+        PyErr_Format(PyExc_RuntimeError, "fuse_session_mount on %s failed", e->mountpoint);
+        return NULL;
+    }
+    self->mounted = 1;
+    /* The drives' threads take no signals: those are the main thread's (Python handles them). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int err = drives_start(e);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_loop(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    engine_t *e = &self->e;
+    if (!self->mounted || self->destroyed) {
+        PyErr_SetString(PyExc_RuntimeError, "not mounted");
+        return NULL;
+    }
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = wake; /* no SA_RESTART: the loop's sem_wait returns and sees the exit flag */
+    sigaction(WAKE_SIGNAL, &sa, NULL);
+    int res;
+    Py_BEGIN_ALLOW_THREADS;
+    /* This thread and the FUSE threads it starts take only the wake signal. */
+    sigset_t mask;
+    sigfillset(&mask);
+    sigdelset(&mask, WAKE_SIGNAL);
+    pthread_sigmask(SIG_SETMASK, &mask, NULL);
+    e->loop_thread = pthread_self();
+    atomic_store(&e->looping, 1);
+    struct fuse_loop_config *cfg = fuse_loop_cfg_create();
+    fuse_loop_cfg_set_clone_fd(cfg, 1);
+    fuse_loop_cfg_set_max_threads(cfg, (unsigned)e->fuse_threads);
+    fuse_loop_cfg_set_idle_threads(cfg, (unsigned)e->fuse_threads);
+    res = fuse_session_loop_mt(e->se, cfg);
+    fuse_loop_cfg_destroy(cfg);
+    atomic_store(&e->looping, 0);
+    Py_END_ALLOW_THREADS;
+    return PyLong_FromLong(res);
+}
+
+static PyObject *Engine_stop(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    engine_t *e = &self->e;
+    if (e->se)
+        fuse_session_exit(e->se);
+    if (atomic_load(&e->looping))
+        pthread_kill(e->loop_thread, WAKE_SIGNAL);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_set_up(EngineObject *self, PyObject *args) {
+    int drive, up;
+    if (!PyArg_ParseTuple(args, "ip", &drive, &up))
+        return NULL;
+    if (drive < 1 || drive >= self->e.nrep) {
+        PyErr_SetString(PyExc_ValueError, "no such mirror");
+        return NULL;
+    }
+    if (up)
+        atomic_fetch_or(&self->e.up, 1u << drive);
+    else
+        atomic_fetch_and(&self->e.up, ~(1u << drive));
+    Py_RETURN_NONE;
+}
+
+static PyObject *Engine_dropped(EngineObject *self, PyObject *args) {
+    int file;
+    if (!PyArg_ParseTuple(args, "i", &file))
+        return NULL;
+    if (file < 0 || (size_t)file >= self->e.nfiles) {
+        PyErr_SetString(PyExc_IndexError, "no such file");
+        return NULL;
+    }
+    return PyLong_FromUnsignedLong(atomic_load(&self->e.files[file].dropped));
+}
+
+/* Unmount (lazily: the kernel detaches it now and lets open files drain) and free the session.
+ * Call once the loop has returned. */
+static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
+    (void)unused;
+    engine_t *e = &self->e;
+    if (atomic_load(&e->looping)) {
+        PyErr_SetString(PyExc_RuntimeError, "the loop is still running");
+        return NULL;
+    }
+    if (self->destroyed)
+        Py_RETURN_NONE;
+    self->destroyed = 1;
+    Py_BEGIN_ALLOW_THREADS;
+    drives_stop(e);
+    if (self->mounted)
+        fuse_session_unmount(e->se);
+    fuse_session_destroy(e->se);
+    Py_END_ALLOW_THREADS;
+    e->se = NULL;
+    Py_RETURN_NONE;
+}
+
+static void Engine_dealloc(EngineObject *self) {
+    /* Tables and counters stay allocated if the session was never closed: threads may use them. */
+    engine_t *e = &self->e;
+    if (self->destroyed || !e->se) {
+        if (e->se && !self->destroyed)
+            fuse_session_destroy(e->se);
+        for (size_t i = 0; i < e->nfiles; i++) {
+            free(e->files[i].relpath);
+            free(e->files[i].seg_start);
+            free(e->files[i].seg_key);
+            free(e->files[i].seg_drive);
+        }
+        for (size_t i = 0; i < e->nnodes; i++)
+            free(e->nodes[i].target);
+        for (size_t i = 0; i < e->nchildren; i++)
+            free(e->children[i].name);
+        free(e->files);
+        free(e->nodes);
+        free(e->children);
+        if (self->have_counters)
+            PyBuffer_Release(&self->counters);
+        for (int d = 0; d < e->nrep; d++)
+            free(e->roots[d]);
+        free(e->mountpoint);
+    }
+    Py_XDECREF(self->control);
+    Py_XDECREF(self->xattr);
+    Py_XDECREF(self->listxattr);
+    Py_XDECREF(self->event);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"mount", (PyCFunction)Engine_mount, METH_NOARGS, "Mount (the session was made by the constructor)."},
+    {"loop", (PyCFunction)Engine_loop, METH_NOARGS, "Serve until unmounted or stopped (releases the GIL)."},
+    {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Make loop() return (from any thread)."},
+    {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
+    {"dropped", (PyCFunction)Engine_dropped, METH_VARARGS, "dropped(file): mirrors no longer used for it."},
+    {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject EngineType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "colifs._native.Engine",
+    .tp_basicsize = sizeof(EngineObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The native FUSE engine of colifs: tables in, requests served.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Engine_init,
+    .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_methods = Engine_methods,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "colifs' native FUSE engine.", -1, NULL,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&EngineType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m)
+        return NULL;
+    Py_INCREF(&EngineType);
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_REPLICAS", MAX_REPLICAS) < 0 ||
+        PyModule_AddIntConstant(m, "EV_MIRROR_FAILED", EV_MIRROR_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "EV_MIRROR_CHANGED", EV_MIRROR_CHANGED) < 0 ||
+        PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
+        PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
