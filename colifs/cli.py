@@ -16,6 +16,8 @@ from colifs.errors import MountError, NotMountedError, QuietError, UsageError
 
 READY = b"\0colifs-ready\n"
 WEIGHTS_ENV = "COLI_DISK_WEIGHTS"
+ENGINE_ENV = "COLIFS_ENGINE"  # the default of --engine
+ENGINES = ("native", "pyfuse3")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,10 +83,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--engine",
-        choices=["native", "pyfuse3"],
-        default="native",
+        choices=ENGINES,
+        default=os.environ.get(ENGINE_ENV, ENGINES[0]),
         help="native (default): a C data path on libfuse's multi-threaded loop, no Python per read; "
-        "pyfuse3: the portable reference engine (one Python thread)",
+        f"pyfuse3: the portable reference engine (one Python thread); default from ${ENGINE_ENV}",
     )
     m.add_argument(
         "--fuse-threads",
@@ -327,6 +329,8 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         source = "default (equal)"
     else:
         source = "probed"
+    if args.engine not in ENGINES:  # from the environment: argparse checks only given values
+        raise UsageError(f"${ENGINE_ENV}={args.engine!r}: not one of {', '.join(ENGINES)}")
     if args.threads_per_drive < 1 or args.fuse_threads < 1:
         raise UsageError("--threads-per-drive and --fuse-threads must be at least 1")
     if not args.usage_interval > 0:

@@ -3,6 +3,9 @@
 Mounts run `python -m colifs mount` (the daemon, in its own process) and are always unmounted,
 even when a test fails. Every mirror is snapshotted (content hash + mtime of each file) and
 checked unchanged at teardown: colifs never writes to a mirror.
+
+Tests marked `mounts` run once per engine (native, pyfuse3): the engine reaches every daemon they
+start through COLIFS_ENGINE. They are skipped, with the reason, where /dev/fuse is missing.
 """
 
 from __future__ import annotations
@@ -20,9 +23,31 @@ from pathlib import Path
 
 import pytest
 
+from colifs.cli import ENGINE_ENV
 from colifs.synth import write_checkpoint
 
 COLIFS = [sys.executable, "-m", "colifs"]
+ENGINES = ("native", "pyfuse3")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "mounts: mounts for real; runs once per engine")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "engine" in metafunc.fixturenames and metafunc.definition.get_closest_marker("mounts"):
+        metafunc.parametrize("engine", ENGINES, indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The engine of a `mounts` test (None elsewhere): the default of every `colifs mount` it runs."""
+    name = getattr(request, "param", None)
+    if name is not None:
+        if not os.path.exists("/dev/fuse"):
+            pytest.skip("/dev/fuse is missing: no real mounts here")
+        monkeypatch.setenv(ENGINE_ENV, name)
+    return name
 
 
 def run_colifs(

@@ -14,6 +14,8 @@ import pytest
 from colifs.synth import write_checkpoint
 from tests.conftest import mounted
 
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
 
 def st_file(meta: object, data: bytes = b"", length: int | None = None) -> bytes:
     text = json.dumps(meta).encode()

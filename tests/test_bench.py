@@ -51,6 +51,7 @@ def test_zipf_choice_is_skewed() -> None:
     assert sum(n for _, n in top) > 0.5 * 20000
 
 
+@pytest.mark.mounts
 def test_bench_command_on_directories_and_on_a_mount(ckpt: Path, tmp_path: Path) -> None:
     out = run_colifs("bench", str(ckpt), "--seconds", "0.5", "--threads", "2", "--json", "--warm")
     assert out.returncode == 0, out.stderr

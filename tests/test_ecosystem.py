@@ -89,6 +89,7 @@ def helper_installed() -> Iterator[None]:
         HELPER.unlink()
 
 
+@pytest.mark.mounts
 def test_mount_t_and_an_fstab_line(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
     if not shutil.which("mount"):
@@ -132,6 +133,7 @@ def test_mount_t_and_an_fstab_line(model, tmp_path: Path) -> None:
 # -- logging --------------------------------------------------------------------------------------
 
 
+@pytest.mark.mounts
 def test_the_daemon_logs_to_syslog_once_its_stderr_is_gone(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
     address = str(tmp_path / "log.sock")
@@ -205,6 +207,7 @@ def test_top_frame_shows_rates_shares_health_and_hot_layers() -> None:
     assert frame.rstrip().endswith("model.layers.2 4.5 MB/s, model.layers.1 2.5 MB/s")
 
 
+@pytest.mark.mounts
 def test_top_on_a_live_mount_and_q_quits(model) -> None:
     primary, mirror, mnt = model
     with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:

@@ -25,6 +25,8 @@ from tests.test_mount import read_direct
 
 FAULTFS = str(Path(__file__).with_name("faultfs.py"))
 
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
 
 @contextmanager
 def faulty_mirror(source: Path, mnt: Path, control: Path) -> Iterator[subprocess.Popen]:

@@ -25,6 +25,8 @@ from colifs.layout import ExpertKey
 from colifs.synth import FAMILIES, write_checkpoint
 from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
 
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
 
 def shards(root: Path) -> list[Path]:
     return sorted(root.glob("*.safetensors"))

@@ -6,12 +6,15 @@ import json
 import os
 import shutil
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colifs.formats import format_of
 from colifs.layout import ExpertKey
 from tests.conftest import mounted, run_colifs
 from tests.test_mount import read_direct
+
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
 
 def test_replicas_xattr_lists_the_valid_copies(model) -> None:

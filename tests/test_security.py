@@ -32,6 +32,8 @@ NO_DAC = [
     "--bounding-set=-dac_override,-dac_read_search",
 ]
 
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
 
 @pytest.fixture
 def open_dir() -> Iterator[Path]:

@@ -106,6 +106,7 @@ def test_plan_from_colibri_usage(tmp_path: Path) -> None:
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "version 9 is newer" in out.stderr
 
 
+@pytest.mark.mounts
 def test_stage_copies_the_plan_resumes_and_verify_deep_catches_one_byte(tmp_path: Path) -> None:
     primary, ranges, hot, cold = skewed_model(tmp_path)
     mirror = tmp_path / "m"
@@ -204,6 +205,7 @@ def test_stage_killed_at_any_moment_leaves_nothing_partial_and_resumes(tmp_path:
     assert run_colifs("verify", str(primary), str(mirror), "--deep", "-q").returncode == 0
 
 
+@pytest.mark.mounts
 def test_partial_mirror_routing_moves_the_byte_split_toward_the_weights(tmp_path: Path) -> None:
     primary, ranges, hot, cold = skewed_model(tmp_path, hidden=128, inter=64, experts=64)
     mirror = tmp_path / "m"
@@ -256,6 +258,7 @@ def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
     assert out.returncode == 2 and out.stderr.count("\n") == 1
 
 
+@pytest.mark.mounts
 def test_two_partial_mirrors_split_the_bytes_as_the_weights_say(tmp_path: Path) -> None:
     primary, ranges, hot, cold = skewed_model(tmp_path, hidden=128, inter=64, experts=64)
     m1, m2 = tmp_path / "m1", tmp_path / "m2"

@@ -109,6 +109,7 @@ def test_coli_usage_is_read_and_newer_versions_refused(tmp_path: Path) -> None:
 # -- the mount --------------------------------------------------------------------------------
 
 
+@pytest.mark.mounts
 def test_the_mount_counts_saves_at_unmount_and_merges_runs(model) -> None:
     primary, mirror, mnt = model
     ranges = expert_ranges(primary)
@@ -132,6 +133,7 @@ def test_the_mount_counts_saves_at_unmount_and_merges_runs(model) -> None:
     assert raw["format"] == "colifs-usage" and "page-cache" in raw["note"]
 
 
+@pytest.mark.mounts
 def test_usage_is_saved_periodically_and_can_be_moved_or_turned_off(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
     ranges = expert_ranges(primary)
@@ -155,6 +157,7 @@ def test_usage_is_saved_periodically_and_can_be_moved_or_turned_off(model, tmp_p
     assert out.returncode == 32 and "never writes to a mirror" in out.stderr and not os.listdir(mnt)
 
 
+@pytest.mark.mounts
 def test_a_usage_file_that_cannot_be_written_warns_once_and_loses_nothing(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
     ranges = expert_ranges(primary)
@@ -175,6 +178,7 @@ def test_a_usage_file_that_cannot_be_written_warns_once_and_loses_nothing(model,
     assert sum(b for b, _ in load(str(target)).files.values()) == served
 
 
+@pytest.mark.mounts
 def test_a_corrupt_usage_file_is_left_alone(model) -> None:
     primary, mirror, mnt = model
     bad = primary / USAGE_NAME
@@ -186,6 +190,7 @@ def test_a_corrupt_usage_file_is_left_alone(model) -> None:
     shutil.rmtree(mnt, ignore_errors=True)
 
 
+@pytest.mark.mounts
 def test_a_read_only_primary_is_one_warning_at_mount(tmp_path: Path) -> None:
     import subprocess
 

@@ -1,0 +1,90 @@
+"""The pure read planner and the native engine's run tables: every byte of every column of a table
+is routed as `pieces()` routes it (the pyfuse3 engine and `colifs route` use `pieces()` directly)."""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from array import array
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colifs.layout import HEADER, ExpertKey, Layout
+from colifs.planner import PLAIN, merge, pieces, run_table, usable_weights
+from colifs.replicas import ServedFile
+from colifs.routing import CHUNK
+
+
+@st.composite
+def served_files(draw: st.DrawFn) -> tuple[ServedFile, list[float]]:
+    n = draw(st.integers(1, 10))
+    data_start = draw(st.integers(8, 3 * 4096))
+    sizes = draw(st.lists(st.integers(1, 5 * CHUNK), min_size=n, max_size=n))
+    starts, pos = [], data_start
+    for size in sizes:
+        starts.append(pos)
+        pos += size
+    expert = [draw(st.booleans()) for _ in range(n)]
+    keys = tuple(ExpertKey("model.layers", i % 3, i) if e else f"t{i}" for i, e in enumerate(expert))
+    nrep = draw(st.integers(1, 4))
+    held = (0, *sorted(draw(st.sets(st.integers(1, nrep - 1))))) if nrep > 1 else (0,)
+    f = ServedFile(
+        "x.safetensors",
+        pos,
+        Layout(data_start, pos, tuple(starts), keys),
+        held,
+        positions=tuple(draw(st.floats(0, 1, exclude_max=True)) for _ in range(n)),
+        stripes=tuple(draw(st.integers(-1, 63)) if size >= 2 * CHUNK else -1 for size in sizes),
+    )
+    weights = draw(st.lists(st.floats(0.1, 10), min_size=nrep, max_size=nrep))
+    return f, weights
+
+
+def decode(table: tuple[bytes, bytes, bytes], ncols: int) -> tuple[list[int], list[int], bytes]:
+    starts, keys = array("Q"), array("i")
+    starts.frombytes(table[0])
+    keys.frombytes(table[1])
+    assert len(table[2]) == len(starts) * ncols
+    return list(starts), list(keys), table[2]
+
+
+@settings(max_examples=200, deadline=None)
+@given(served_files(), st.data(), st.booleans())
+def test_every_column_of_a_run_table_routes_each_byte_as_pieces_does(case, data, striping) -> None:
+    f, weights = case
+    key_ids = {k: i for i, k in enumerate(dict.fromkeys(f.layout.keys))}
+    ncols = 1 << (len(weights) - 1)
+    starts, keys, drives = decode(run_table(f, weights, striping, key_ids), ncols)
+    assert starts[0] == 0 and starts == sorted(set(starts))
+    for _ in range(20):
+        off = data.draw(st.integers(0, f.size - 1))
+        seg = bisect.bisect_right(starts, off) - 1
+        for col in range(ncols):
+            usable = {d for d in f.replicas if d and (col >> (d - 1)) & 1}
+            _start, _, drive, extent = pieces(f, usable_weights(weights, usable), striping, off, off + 1)[0]
+            assert drives[seg * ncols + col] == drive
+            assert drive == 0 or drive in usable  # never a mirror outside the column's set
+        assert keys[seg] == (-1 if extent == HEADER else key_ids[f.layout.keys[extent]])
+
+
+@settings(max_examples=100, deadline=None)
+@given(served_files(), st.data(), st.booleans())
+def test_pieces_tile_the_range_and_merge_joins_same_drive_neighbours(case, data, striping) -> None:
+    f, weights = case
+    off = data.draw(st.integers(0, f.size - 1))
+    end = data.draw(st.integers(off + 1, f.size + 5 * CHUNK))
+    plan = pieces(f, weights, striping, off, end)
+    assert plan[0][0] == off and plan[-1][1] == min(end, f.size)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(plan))
+    assert all(p[1] - p[0] <= CHUNK for p in plan if p[3] >= 0 and f.stripes[p[3]] >= 0 and striping)
+    runs = merge(plan)
+    assert all(a[2] != b[2] for a, b in itertools.pairwise(runs))
+    assert sum(e - s for s, e, _ in runs) == min(end, f.size) - off
+
+
+def test_a_file_without_layout_is_one_primary_segment() -> None:
+    f = ServedFile("config.json", 1234)
+    assert pieces(f, [1.0, 3.0], True, 10, 99) == [(10, 99, 0, PLAIN)]
+    starts, keys, drives = decode(run_table(f, [1.0, 3.0], True, {}), 2)
+    assert (starts, keys, drives) == ([0], [-1], b"\0\0")
