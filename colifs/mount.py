@@ -41,8 +41,10 @@ from colifs.workers import DriveWorkers
 
 log = logging.getLogger("colifs")
 
-# Chosen by the benchmark in docs/benchmarks.md (buffered and mmap readers, one and many).
-DEFAULT_READ_AHEAD_KB = 512
+# Chosen by the benchmarks in docs/benchmarks.md (buffered and mmap readers, one and many, slow and
+# fast drives): the native engine's requests are cheap, so the kernel's readahead reads little past
+# an expert's end; a pyfuse3 request costs ~20 µs of Python, so there fewer, bigger ones win.
+DEFAULT_READ_AHEAD_KB = {"native": 128, "pyfuse3": 512}
 DEFAULT_MAX_BACKGROUND = 256
 # Requests the daemon takes off /dev/fuse at once. A request waiting for its drive holds one (a
 # coroutine, cheap); with too few, one slow drive's backlog would hold them all and starve the
@@ -64,7 +66,9 @@ class MountConfig:
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
     engine: str = "native"  # or "pyfuse3": the portable reference engine
     fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
-    knobs: Knobs = field(default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB, DEFAULT_MAX_BACKGROUND))
+    knobs: Knobs = field(
+        default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB["native"], DEFAULT_MAX_BACKGROUND)
+    )
     allow_other: bool = False
     mirror_timeout: float | None = 5.0  # a mirror read unanswered after this is re-read from the primary
     usage: bool = True  # count what is served per key and file, and save it

@@ -76,24 +76,47 @@ def run_table(
     """The native engine's table of `f`: segment starts (u64), key ids (i32, -1: header or plain) and,
     per segment, one drive (u8) for each set of usable mirrors (column c: bit d-1 = mirror d).
 
-    Every column cuts the file at the same places (extents, and CHUNKs inside striped keys), so a
-    segment is a piece of every column; neighbours with the same key and drives are merged.
+    Every column cuts the file where `pieces()` does (extents, and CHUNKs inside striped keys), and
+    gives each piece the drive `pieces()` gives it with that column's weights (a property test holds
+    them equal); neighbours with the same key and drives are merged. One pass over the extents:
+    a big checkpoint has ~100k extents and ~700k chunks.
     """
-    n = len(weights)
-    columns = []
-    for c in range(1 << (n - 1)):
-        usable = {d for d in f.replicas if d and (c >> (d - 1)) & 1}
-        columns.append(pieces(f, usable_weights(weights, usable), striping, 0, f.size))
+    columns = [
+        usable_weights(weights, {d for d in f.replicas if d and (c >> (d - 1)) & 1})
+        for c in range(1 << (len(weights) - 1))
+    ]
     starts, keys, drives = array("Q"), array("i"), bytearray()
     last: tuple[int, tuple[int, ...]] | None = None
-    for row in zip(*columns, strict=True):
-        start, _, _, extent = row[0]
-        key = -1 if extent < 0 else key_ids[f.layout.keys[extent]]  # type: ignore[union-attr]
-        here = (key, tuple(p[2] for p in row))
-        if here == last:
+
+    def emit(start: int, key: int, row: tuple[int, ...]) -> None:
+        nonlocal last
+        if (key, row) != last:
+            last = (key, row)
+            starts.append(start)
+            keys.append(key)
+            drives.extend(row)
+
+    primary = (0,) * len(columns)
+    layout = f.layout
+    if layout is None:
+        if f.size:
+            emit(0, -1, primary)
+        return starts.tobytes(), keys.tobytes(), bytes(drives)
+    by_chunk: list[tuple[int, ...]] = []  # striped drives of each column, per sequence slot
+    for start, stop, extent in layout.pieces(0, f.size):
+        if extent == HEADER:
+            emit(start, -1, primary)
             continue
-        last = here
-        starts.append(start)
-        keys.append(key)
-        drives.extend(here[1])
+        key = key_ids[layout.keys[extent]]
+        rotation = f.stripes[extent] if striping else -1
+        if rotation < 0:
+            emit(start, key, tuple(pick(f.positions[extent], w) for w in columns))
+            continue
+        if not by_chunk:
+            by_chunk = list(zip(*(_sequence(tuple(w)) for w in columns), strict=True))
+        chunk = start // CHUNK
+        while start < stop:
+            emit(start, key, by_chunk[(chunk + rotation) % len(by_chunk)])
+            chunk += 1
+            start = chunk * CHUNK
     return starts.tobytes(), keys.tobytes(), bytes(drives)

@@ -160,40 +160,60 @@ int file_open(engine_t *e, file_t *f) {
 void file_release(engine_t *e, file_t *f) {
     pthread_mutex_lock(&f->lock);
     if (--f->refs == 0) {
+        f->generation++;
         for (int d = 0; d < e->nrep; d++) {
             int fd = atomic_exchange(&f->fd[d], FD_CLOSED);
             if (fd >= 0)
                 close(fd);
         }
+        pthread_cond_broadcast(&f->opened);
     }
     pthread_mutex_unlock(&f->lock);
 }
 
-/* The mirror copy's descriptor, opened (and checked unchanged) on first use. */
+/* The mirror copy's descriptor, opened (and checked unchanged) on first use. The open runs without
+ * the file's lock: on a hung mirror it may never return, and opens and releases of the file must
+ * not wait for it. Other drive threads wait for it (their requests have their own timeouts). */
 static int mirror_fd(engine_t *e, job_t *j) {
     file_t *f = j->f;
     int d = j->drive;
     int fd = atomic_load(&f->fd[d]);
-    if (fd != FD_CLOSED)
+    if (fd >= 0 || fd == FD_FAILED)
         return fd;
     pthread_mutex_lock(&f->lock);
-    fd = atomic_load(&f->fd[d]);
-    if (fd == FD_CLOSED) {
-        int direct;
-        fd = open_backing(e, d, f->relpath, &direct);
-        if (fd < 0) {
-            snprintf(j->what, sizeof j->what, "cannot open %s (%s)", f->relpath, strerror(errno));
-            j->opened_failed = 1;
-            fd = FD_FAILED;
-        } else if (!same_identity(fd, &f->ident[d], j->what, sizeof j->what)) {
+    while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
+        pthread_cond_wait(&f->opened, &f->lock);
+    if (fd != FD_CLOSED) {
+        pthread_mutex_unlock(&f->lock);
+        return fd;
+    }
+    atomic_store(&f->fd[d], FD_OPENING);
+    uint64_t generation = f->generation;
+    pthread_mutex_unlock(&f->lock);
+
+    int direct;
+    fd = open_backing(e, d, f->relpath, &direct);
+    if (fd < 0) {
+        snprintf(j->what, sizeof j->what, "cannot open %s (%s)", f->relpath, strerror(errno));
+        j->opened_failed = 1;
+    } else if (!same_identity(fd, &f->ident[d], j->what, sizeof j->what)) {
+        close(fd);
+        j->changed = 1;
+        fd = -1;
+    }
+    pthread_mutex_lock(&f->lock);
+    if (f->generation != generation) { /* released meanwhile: nobody will close it */
+        if (fd >= 0)
             close(fd);
-            j->changed = 1;
-            fd = FD_FAILED;
-        } else {
+        fd = FD_FAILED;
+    } else {
+        if (fd >= 0)
             f->direct[d] = direct;
-        }
+        else
+            fd = FD_FAILED;
         atomic_store(&f->fd[d], fd);
     }
+    pthread_cond_broadcast(&f->opened);
     pthread_mutex_unlock(&f->lock);
     return fd;
 }

@@ -28,6 +28,7 @@
 #define REQ_BUF (REQUEST + 2 * BLOCK)
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open */
+#define FD_OPENING (-3) /* a drive thread is opening it (without the lock: the open may hang) */
 
 enum node_kind { NODE_DIR = 1, NODE_REG, NODE_LNK, NODE_CONTROL_DIR, NODE_CONTROL_FILE };
 
@@ -74,7 +75,9 @@ typedef struct {
     uint8_t *seg_drive;
     /* Descriptors, shared by all opens of the file. */
     pthread_mutex_t lock;
+    pthread_cond_t opened; /* a mirror open finished */
     int refs;
+    uint64_t generation;   /* +1 each time the last open is released: a late open is then closed */
     _Atomic int fd[MAX_REPLICAS];
     int direct[MAX_REPLICAS];
 } file_t;

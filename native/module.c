@@ -210,6 +210,7 @@ static int load_file(engine_t *e, file_t *f, PyObject *t) {
     f->size = size;
     f->mask = mask | 1u;
     pthread_mutex_init(&f->lock, NULL);
+    pthread_cond_init(&f->opened, NULL);
     for (int d = 0; d < MAX_REPLICAS; d++)
         atomic_init(&f->fd[d], FD_CLOSED);
     if (PySequence_Size(idents) != e->nrep) {
@@ -466,17 +467,6 @@ static PyObject *Engine_set_up(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_dropped(EngineObject *self, PyObject *args) {
-    int file;
-    if (!PyArg_ParseTuple(args, "i", &file))
-        return NULL;
-    if (file < 0 || (size_t)file >= self->e.nfiles) {
-        PyErr_SetString(PyExc_IndexError, "no such file");
-        return NULL;
-    }
-    return PyLong_FromUnsignedLong(atomic_load(&self->e.files[file].dropped));
-}
-
 /* Unmount (lazily: the kernel detaches it now and lets open files drain) and free the session.
  * Call once the loop has returned. */
 static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
@@ -536,7 +526,6 @@ static PyMethodDef Engine_methods[] = {
     {"loop", (PyCFunction)Engine_loop, METH_NOARGS, "Serve until unmounted or stopped (releases the GIL)."},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Make loop() return (from any thread)."},
     {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
-    {"dropped", (PyCFunction)Engine_dropped, METH_VARARGS, "dropped(file): mirrors no longer used for it."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},
     {NULL, NULL, 0, NULL},
 };

@@ -4,7 +4,8 @@
 
 Serves the files of the flat directory SOURCE read-only. Every read looks at the CONTROL file:
 `ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them, `hang` holds
-the read until the mode changes (then answers it as the new mode says). Files are
+the read until the mode changes (then answers it as the new mode says), `hang-open` holds every
+open until the mode changes (reads pass). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
 at once. Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
 """
@@ -61,6 +62,8 @@ class FaultFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: object) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
+        while self._mode() == "hang-open":
+            await trio.sleep(0.05)
         fd = os.open(self.paths[inode], os.O_RDONLY)
         self.fds[fd] = inode
         return pyfuse3.FileInfo(fh=fd, direct_io=True)

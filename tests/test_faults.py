@@ -5,6 +5,7 @@ Every byte read through colifs must stay the primary's, whatever the mirror does
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import mmap
 import os
@@ -154,6 +155,37 @@ def test_a_hung_mirror_read_is_reissued_on_the_primary(tmp_path: Path) -> None:
             f"\nhung mirror: read_all {hung:.2f} s while timing out, {down:.2f} s once down; "
             f"back {back_after:.1f} s after it healed"
         )
+
+
+def test_a_hung_mirror_open_holds_up_no_read_open_or_close(tmp_path: Path) -> None:
+    """The mirror's opens hang: reads fall back after the timeout, and opening and closing the
+    same files again never waits for the hung open."""
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--mirror-timeout", "0.3") as mnt,
+    ):
+        control.write_text("hang-open")
+
+        def passes() -> float:
+            slowest = 0.0
+            for _ in range(3):  # each pass opens, reads and closes every shard again
+                for p in sorted(primary.glob("*.safetensors")):
+                    t0 = time.monotonic()
+                    assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes(), p.name
+                    slowest = max(slowest, time.monotonic() - t0)
+            return slowest
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(passes)
+            try:
+                slowest = done.result(timeout=30)
+            finally:
+                control.write_text("ok")  # releases the hung opens, and a test that would hang
+        st = stats(mnt)
+        assert st["replicas"][1]["health"]["timeouts"] >= 1  # the hung opens were noticed
+        assert slowest < 3.0, slowest  # a timeout or two per file, never a wait for the open
 
 
 def test_a_mirror_that_vanishes_while_files_are_open(tmp_path: Path) -> None:

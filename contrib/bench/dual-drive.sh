@@ -6,7 +6,7 @@
 #                               [--seconds 10] [--model-gb 2] [--json FILE]
 # Fast drives (RAM-backed, default 900 + 300 MB/s: the daemon becomes the limit; both engines,
 # mergerfs as the reference, daemon CPU per GB, a sweep of drive speeds):
-#   contrib/bench/dual-drive.sh --fast-drives [--fast 900] [--slow 300] [--sweep 150,...,1800]
+#   contrib/bench/dual-drive.sh --fast-drives [--fast 900] [--slow 300] [--sweep 150,...,3000]
 # Uses the checkout's venv (make test or make demo creates it); PYTHON=... to use another.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

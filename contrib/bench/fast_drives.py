@@ -107,9 +107,9 @@ def main() -> int:
     p.add_argument("--expert-mb", type=float, default=3.0, help="size of one expert (default 3)")
     p.add_argument(
         "--sweep",
-        default="150,300,600,900,1500,1800",
+        default="150,300,600,900,1500,1800,2400,3000",
         metavar="MB/s,...",
-        help="fast-drive speeds of the sweep, the slow drive a third (default 150,...,1800; '' skips it)",
+        help="fast-drive speeds of the sweep, the slow drive a third (default 150,...,3000; '' skips it)",
     )
     p.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
     p.add_argument("--fast-drives", action="store_true", help=argparse.SUPPRESS)  # dual-drive.sh's switch
