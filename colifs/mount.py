@@ -295,8 +295,7 @@ def serve(
     native = cfg.engine == "native"
     keys = key_table(list(files.values())) if native else []
     counters = NativeCounters(len(replicas), keys, list(files.values())) if native else None
-    stats = Stats(replicas, cfg.weights_source, mnt, counters)
-    stats.engine = cfg.engine
+    stats = Stats(replicas, cfg.weights_source, mnt, counters, cfg.engine)
     stats.probe = [
         {
             "path": p.replica.root,

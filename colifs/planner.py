@@ -114,9 +114,16 @@ def run_table(
             continue
         if not by_chunk:
             by_chunk = list(zip(*(_sequence(tuple(w)) for w in columns), strict=True))
-        chunk = start // CHUNK
-        while start < stop:
-            emit(start, key, by_chunk[(chunk + rotation) % len(by_chunk)])
-            chunk += 1
-            start = chunk * CHUNK
+        slots = len(by_chunk)
+        first = start // CHUNK
+        emit(start, key, by_chunk[(first + rotation) % slots])
+        row = last[1]  # type: ignore[index]
+        for chunk in range(first + 1, (stop - 1) // CHUNK + 1):  # the hot loop: ~700k chunks
+            nxt = by_chunk[(chunk + rotation) % slots]
+            if nxt != row:
+                row = nxt
+                starts.append(chunk * CHUNK)
+                keys.append(key)
+                drives.extend(row)
+        last = (key, row)
     return starts.tobytes(), keys.tobytes(), bytes(drives)

@@ -8,6 +8,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from colifs import __version__
 from colifs.health import Health
@@ -15,9 +16,30 @@ from colifs.logs import one_line
 from colifs.replicas import Replica, ServedFile
 
 
+class DriveCounters(Protocol):
+    """What each drive delivered: counted by the pyfuse3 engine's reader (`Counters`) or by the native
+    engine, in memory Python reads (`colifs.native.NativeCounters`)."""
+
+    @property
+    def bytes_served(self) -> Sequence[int]: ...
+
+    @property
+    def reads(self) -> Sequence[int]: ...
+
+    @property
+    def read_errors(self) -> Sequence[int]: ...
+
+    @property
+    def fallbacks(self) -> int: ...
+
+    @property
+    def layers(self) -> dict[str, list[int]]: ...
+
+    def failed(self, drive: int) -> None: ...
+
+
 class Counters:
-    """What each drive delivered, counted by the pyfuse3 engine's reader (the native engine has its
-    own, in shared memory: colifs.native.NativeCounters)."""
+    """The pyfuse3 engine's counters, kept by its reader on the loop's thread."""
 
     def __init__(self, n: int) -> None:
         self.bytes_served = [0] * n
@@ -52,20 +74,21 @@ class Stats:
         replicas: Sequence[Replica],
         weights_source: str,
         mountpoint: str,
-        counters: Counters | None = None,
+        counters: DriveCounters | None = None,
+        engine: str = "pyfuse3",
     ) -> None:
         self.replicas = list(replicas)
         self.weights_source = weights_source
         self.mountpoint = mountpoint
         self.started = time.time()
         n = len(replicas)
-        self.counters = counters or Counters(n)
+        self.counters: DriveCounters = counters or Counters(n)
         self.last_error: list[str | None] = [None] * n
         self.warnings: deque[str] = deque(maxlen=50)
         self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
         self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
         self.routing = "stripe"
-        self.engine = "pyfuse3"
+        self.engine = engine
         self.usage: dict = {"file": None}  # where usage is saved, and how that went
         self.partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
         self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
@@ -87,7 +110,10 @@ class Stats:
     def fallbacks(self) -> int:
         return self.counters.fallbacks
 
+    # The pyfuse3 reader's calls (the native engine counts in its own memory).
+
     def served(self, drive: int, nbytes: int) -> None:
+        assert isinstance(self.counters, Counters)
         self.counters.served(drive, nbytes)
 
     def failed(self, drive: int, problem: str) -> None:
@@ -95,9 +121,11 @@ class Stats:
         self.last_error[drive] = problem
 
     def fell_back(self) -> None:
+        assert isinstance(self.counters, Counters)
         self.counters.fell_back()
 
     def routed(self, layer: str, drive: int, nbytes: int) -> None:
+        assert isinstance(self.counters, Counters)
         self.counters.routed(layer, drive, nbytes)
 
     def names(self) -> list[str]:
