@@ -183,8 +183,13 @@ static int mirror_fd(engine_t *e, job_t *j) {
     pthread_mutex_lock(&f->lock);
     while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
         pthread_cond_wait(&f->opened, &f->lock);
-    if (fd != FD_CLOSED) {
+    if (fd != FD_CLOSED || f->refs == 0) { /* not open any more: a late job nobody waits for */
         pthread_mutex_unlock(&f->lock);
+        if (fd == FD_CLOSED) {
+            snprintf(j->what, sizeof j->what, "%s is closed", f->relpath);
+            j->opened_failed = 1;
+            fd = FD_FAILED;
+        }
         return fd;
     }
     atomic_store(&f->fd[d], FD_OPENING);

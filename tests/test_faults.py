@@ -188,6 +188,37 @@ def test_a_hung_mirror_open_holds_up_no_read_open_or_close(tmp_path: Path) -> No
         assert slowest < 3.0, slowest  # a timeout or two per file, never a wait for the open
 
 
+def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path: Path) -> None:
+    """One mirror thread, its reads hung: a read waits on the thread, the next queues behind it,
+    both are given up on and the file is closed. When the mirror answers, the late reads run
+    and the daemon holds no more descriptors than before."""
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    flags = ("--mirror-timeout", "0.3", "--threads-per-drive", "1", "--routing", "expert")
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", *flags) as mnt,
+    ):
+        pid = stats(mnt)["pid"]
+        fds0, _ = daemon_fds_and_rss(pid)
+        control.write_text("hang")
+        for p in sorted(primary.glob("*.safetensors")):
+            read_all_of = read_direct(mnt / p.name, 0, p.stat().st_size)  # opens, reads, closes
+            assert read_all_of == p.read_bytes(), p.name
+        assert stats(mnt)["replicas"][1]["health"]["timeouts"] >= 2
+
+        def settled() -> bool:
+            deadline = time.monotonic() + 10
+            while daemon_fds_and_rss(pid)[0] != fds0 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            return daemon_fds_and_rss(pid)[0] == fds0
+
+        assert settled()  # the releases arrived: every copy is closed, the late reads still queued
+        control.write_text("ok")  # the stuck read lands; the queued ones run after it
+        time.sleep(1)
+        assert settled()
+
+
 def test_a_mirror_that_vanishes_while_files_are_open(tmp_path: Path) -> None:
     primary, source = setup_model(tmp_path)
     with (
