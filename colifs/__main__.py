@@ -1,4 +1,4 @@
-"""`python -m colifs` runs the CLI (the test-suite and the daemon re-exec use this)."""
+"""`python -m colifs` runs the CLI (the test-suite and the benchmarks start daemons this way)."""
 
 from colifs.cli import main
 

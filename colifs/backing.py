@@ -16,6 +16,7 @@ import os
 from typing import Protocol
 
 from colifs.buffers import BLOCK
+from colifs.replicas import identity
 
 log = logging.getLogger("colifs")
 
@@ -87,8 +88,7 @@ class OsIO:
             return 0
 
     def identity(self, fd: int) -> tuple[int, int, int, int]:
-        st = os.fstat(fd)
-        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        return identity(os.fstat(fd))
 
     def close(self, fd: int) -> None:
         self._direct_fds.discard(fd)

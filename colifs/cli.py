@@ -1,4 +1,5 @@
-"""Thin subcommands: mount, umount, stats. User errors are one line and a specific exit code."""
+"""The command line: every subcommand's parser and its thin handler. User errors are one line and a
+specific exit code."""
 
 from __future__ import annotations
 
@@ -448,9 +449,9 @@ def _read_stats(mountpoint: str) -> dict:
 
 
 def _mounted(mountpoint: str) -> bool:
-    real = os.path.realpath(mountpoint)
-    with open("/proc/self/mounts") as f:
-        return any(len(p := line.split()) > 2 and p[1] == real and p[2] == "fuse.colifs" for line in f)
+    from colifs.kernel import mount_type
+
+    return mount_type(mountpoint) == "fuse.colifs"
 
 
 def _fusermount(mountpoint: str, lazy: bool) -> None:

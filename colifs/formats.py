@@ -44,7 +44,6 @@ def read_gguf(fd: int, size: int) -> tuple[bytes, Layout]:
 
 @dataclass(frozen=True)
 class Format:
-    name: str
     suffix: str
     reader: Callable[[int, int], tuple[bytes, Layout]]
     spans: Callable[[bytes, int], list[tuple[int, int, str]]]  # header → (start, end, tensor name)
@@ -61,8 +60,8 @@ class Format:
 
 
 FORMATS = (
-    Format("safetensors", ".safetensors", read_safetensors, tensor_spans),
-    Format("gguf", ".gguf", read_gguf, gguf_tensor_spans),
+    Format(".safetensors", read_safetensors, tensor_spans),
+    Format(".gguf", read_gguf, gguf_tensor_spans),
 )
 
 

@@ -14,24 +14,23 @@ from collections.abc import Sequence
 
 from colifs.errors import UsageError
 
-# colifs mount flags an fstab line may set: option name -> takes a value
-FLAGS = {
-    "weights": True,
-    "probe_seconds": True,
-    "no_probe": False,
-    "allow_other": False,
-    "threads_per_drive": True,
-    "readahead_kb": True,
-    "max_background": True,
-    "routing": True,
-    "backing_io": True,
-    "mirror_timeout": True,
-    "usage_file": True,
-    "no_usage": False,
-    "usage_interval": True,
-    "log_file": True,
-    "debug": False,
-}
+
+def _flags() -> dict[str, bool]:
+    """`colifs mount`'s options an fstab line may set, read from its parser (so the two never
+    drift apart): option name -> takes a value. Not --foreground: mount(8) waits for the helper,
+    which returns once the mount serves."""
+    from colifs.cli import _parser
+    from colifs.completion import _subparsers
+
+    out = {}
+    for action in _subparsers(_parser())["mount"]._actions:
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and longs[0] not in ("--help", "--foreground"):
+            out[longs[0][2:].replace("-", "_")] = action.nargs != 0
+    return out
+
+
+FLAGS = _flags()
 # fstab / mount(8) options that concern mount(8), systemd or the kernel's defaults, not colifs
 GENERIC = {
     "ro", "rw", "defaults", "auto", "noauto", "user", "users", "nouser", "owner", "group", "nofail",

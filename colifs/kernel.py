@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 from dataclasses import dataclass
 
@@ -22,6 +23,22 @@ CONNECTIONS = "/sys/fs/fuse/connections"
 class Knobs:
     read_ahead_kb: int  # 0: leave the kernel's default
     max_background: int  # 0: leave the kernel's default; congestion_threshold follows at 3/4
+
+
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted at `path` (`fuse.colifs`, ...), None when nothing is; of mounts
+    stacked on one path, the last (the one seen there).
+
+    /proc/self/mounts escapes spaces, tabs, newlines and backslashes in paths as octal.
+    """
+    real = os.path.realpath(path)
+    found = None
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 2 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]) == real:
+                found = fields[2]
+    return found
 
 
 def _write(path: str, value: int) -> None:

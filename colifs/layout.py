@@ -59,7 +59,7 @@ _FUSED = re.compile(
 class Layout:
     """Extents of one file: extent i is [starts[i], starts[i+1]) (the last ends at `size`).
 
-    The header [0, data_start) is not an extent: it belongs to HEADER_KEY.
+    The header [0, data_start) is not an extent: `pieces` gives it the extent index HEADER.
     """
 
     data_start: int

@@ -24,7 +24,7 @@ from colifs.backing import BackingIO, OsIO
 from colifs.errors import MountError, QuietError
 from colifs.formats import format_of
 from colifs.fs import ColiFS
-from colifs.kernel import Knobs, tune
+from colifs.kernel import Knobs, mount_type, tune
 from colifs.namespace import STATS_INO, Namespace
 from colifs.native import NativeCounters, NativeEngine, key_table, mount_options
 from colifs.probe import ProbeResult, probe, table, weights_from
@@ -77,11 +77,6 @@ class MountConfig:
     fuse_options: list[str] = field(default_factory=list)
 
 
-def _is_mounted(path: str) -> bool:
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == path for line in f if len(line.split()) > 1)
-
-
 def _same_or_inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
@@ -126,7 +121,7 @@ def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
     for root in roots:
         if _same_or_inside(mnt, root):
             raise MountError(f"mountpoint {cfg.mountpoint} is inside {root}")
-    if _is_mounted(mnt):
+    if mount_type(mnt) is not None:
         try:
             os.listdir(mnt)
         except OSError as e:

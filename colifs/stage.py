@@ -211,7 +211,6 @@ def _known(entry: dict | None, primary: str, mirror: str, s: Shard) -> str | Non
 class StageResult:
     copied: list[str]
     kept: list[str]
-    removed_temporaries: list[str]
 
 
 def stage(
@@ -262,4 +261,4 @@ def stage(
     if unknown:
         check.finish()
     write_receipt(mirror, primary, entries)
-    return StageResult(copied, [s.relpath for s in kept], removed)
+    return StageResult(copied, [s.relpath for s in kept])

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from colifs.cli import ENGINE_ENV
+from colifs.kernel import mount_type
 from colifs.synth import write_checkpoint
 
 COLIFS = [sys.executable, "-m", "colifs"]
@@ -59,9 +60,7 @@ def run_colifs(
 
 
 def is_mounted(path: Path) -> bool:
-    real = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == real for line in f)
+    return mount_type(str(path)) is not None
 
 
 def force_unmount(path: Path) -> None:

@@ -29,6 +29,19 @@ HELPER = Path("/sbin/mount.fuse.colifs")
 # -- fstab ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.mounts
+def test_a_mountpoint_with_a_space_mounts_and_unmounts(model) -> None:
+    """/proc/self/mounts writes the space as \\040: both the mount's checks and `colifs umount`
+    must still find the mount."""
+    primary, mirror, mnt = model
+    spaced = mnt.parent / "my model"
+    with mounted(primary, [mirror], spaced, "--weights", "1,1") as m:
+        assert (m.path / ".colifs" / "stats").read_text().startswith("MIRROR: ")
+        again = run_colifs("mount", str(primary), str(spaced))
+        assert again.returncode == 32 and "already a mount point" in again.stderr
+    assert not is_mounted(spaced)
+
+
 def test_fstab_options_become_colifs_flags() -> None:
     assert mount_args(
         "/fast/m:/second/m", "/mnt/model", "ro,weights=9:3,allow_other,nofail,x-systemd.after=a"
@@ -53,6 +66,18 @@ def test_fstab_options_become_colifs_flags() -> None:
         "--routing",
         "expert",
     ]
+    # every `colifs mount` option, the newest included (the helper reads them from the parser)
+    assert mount_args("/a", "/m", "engine=pyfuse3,fuse_threads=4,debug") == [
+        "/a",
+        "/m",
+        "--engine",
+        "pyfuse3",
+        "--fuse-threads",
+        "4",
+        "--debug",
+    ]
+    with pytest.raises(UsageError, match="unknown option 'foreground'"):
+        mount_args("/a", "/m", "foreground")
     assert parse_argv(["/a:/b", "/m", "-o", "ro,weights=1:1", "-n", "-t", "fuse.colifs"]) == (
         "/a:/b",
         "/m",
