@@ -15,7 +15,7 @@ import math
 import mmap
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import trio
 
@@ -249,7 +249,7 @@ class NativeEngine:
     def _listxattr(self, ino: int) -> bytes | int:
         return self._guard(lambda i: b"".join(n + b"\0" for n in self.ns.xattr_names(i)), ino)
 
-    def _guard(self, fn, *args) -> bytes | int:
+    def _guard(self, fn: Callable[..., bytes], *args: object) -> bytes | int:
         try:
             return fn(*args)
         except OSError as e:

@@ -23,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dual_drive import CGROUP_ROOT, COLIFS, Rig, bench, settle
@@ -42,7 +42,7 @@ def cpu_seconds(pid: int) -> float:
 class Daemon:
     """A FUSE daemon under test: its pid and the bytes it has served so far."""
 
-    def __init__(self, pid: int, served) -> None:
+    def __init__(self, pid: int, served: Callable[[], int | None]) -> None:
         self.pid = pid
         self.served = served
 
