@@ -228,7 +228,8 @@ async def _keep_usage(source: UsageSource, stats: Stats, interval: float) -> Non
     while True:
         await trio.sleep(interval)
         pending = source.take_usage()  # on the loop's thread; written on another
-        if pending and not await trio.to_thread.run_sync(_write_usage, stats, pending):
+        # Nothing served yet still carries this run's count: kept for a later save, like a failed one.
+        if not pending or not await trio.to_thread.run_sync(_write_usage, stats, pending):
             source.restore_usage(pending)
 
 

@@ -137,7 +137,7 @@ class NativeCounters:
         return out
 
     def restore_usage(self, usage: Usage) -> None:
-        """A save failed: counted again with the next take."""
+        """Taken but not saved: counted again with the next take."""
         self._pending.add(usage)
 
 

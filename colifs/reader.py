@@ -141,14 +141,16 @@ class Reader:
         return os.path.join(self.replicas[drive].root, f.relpath)
 
     def take_usage(self) -> Usage:
-        """What was counted since the last take (swapped on the loop's thread, where reads count)."""
-        pending, self.usage = self.usage or Usage(), Usage()
+        """What was counted since the last take (swapped on the loop's thread, where reads count).
+        Only called when usage is kept."""
+        assert self.usage is not None
+        pending, self.usage = self.usage, Usage()
         return pending
 
     def restore_usage(self, usage: Usage) -> None:
-        """A save failed: counted again with the next take."""
-        if self.usage is not None:
-            self.usage.add(usage)
+        """Taken but not saved: counted again with the next take."""
+        assert self.usage is not None
+        self.usage.add(usage)
 
     # -- reads -------------------------------------------------------------------------------
 

@@ -158,6 +158,23 @@ def test_usage_is_saved_periodically_and_can_be_moved_or_turned_off(model, tmp_p
 
 
 @pytest.mark.mounts
+def test_a_quiet_interval_loses_neither_the_run_nor_the_reads(model, tmp_path: Path) -> None:
+    """Saves come every 0.2 s, the first reads only after several of them: the usage file still
+    counts this mount as one run, with every byte read."""
+    primary, mirror, mnt = model
+    ranges = expert_ranges(primary)
+    target = tmp_path / "usage.json"
+    with mounted(
+        primary, [mirror], mnt, "--weights", "1,1", "--usage-file", str(target), "--usage-interval", "0.2"
+    ):
+        time.sleep(1.0)  # ~5 intervals with nothing served
+        nbytes = read_experts(mnt, ranges, sorted(ranges)[:3])
+    usage = load(str(target))
+    assert usage.runs == 1
+    assert sum(b for b, _ in usage.keys.values()) == nbytes
+
+
+@pytest.mark.mounts
 def test_a_usage_file_that_cannot_be_written_warns_once_and_loses_nothing(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
     ranges = expert_ranges(primary)
