@@ -16,7 +16,7 @@ import os
 from typing import Protocol
 
 from colifs.buffers import BLOCK
-from colifs.replicas import identity
+from colifs.replicas import Identity, identity
 
 log = logging.getLogger("colifs")
 
@@ -99,22 +99,30 @@ class Changed(Exception):
     """A mirror copy is no longer the file validated at mount."""
 
 
-def what_changed(before: tuple[int, int, int, int], now: tuple[int, int, int, int]) -> str:
+def what_changed(before: Identity, now: Identity) -> str:
     names = ("device", "inode", "size", "mtime")
     return ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, before, now, strict=True) if a != b)
 
 
-def open_checked(io: BackingIO, path: str, expect: tuple[int, int, int, int]) -> int:
-    """Open a mirror copy, if it is still the one validated at mount (blocks)."""
-    fd = io.open(path)
+def check_unchanged(io: BackingIO, fd: int, expect: Identity) -> None:
+    """Raise Changed if the open mirror copy is no longer the one validated at mount."""
     now = io.identity(fd)
     if now != expect:
-        io.close(fd)
         raise Changed(what_changed(expect, now))
+
+
+def open_checked(io: BackingIO, path: str, expect: Identity) -> int:
+    """Open a mirror copy, if it is still the one validated at mount (blocks)."""
+    fd = io.open(path)
+    try:
+        check_unchanged(io, fd, expect)
+    except Changed:
+        io.close(fd)
+        raise
     return fd
 
 
-def check_read(io: BackingIO, path: str, expect: tuple[int, int, int, int], offset: int) -> None:
+def check_read(io: BackingIO, path: str, expect: Identity, offset: int) -> None:
     """A down mirror's health check: open, read one block, close (blocks; its own buffer, so it
     may be given up on)."""
     fd = open_checked(io, path, expect)

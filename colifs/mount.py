@@ -13,7 +13,7 @@ import signal
 import stat
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -26,7 +26,7 @@ from colifs.formats import format_of
 from colifs.fs import ColiFS
 from colifs.kernel import Knobs, mount_type, tune
 from colifs.namespace import STATS_INO, Namespace
-from colifs.native import NativeCounters, NativeEngine, key_table, mount_options
+from colifs.native import NativeCounters, NativeEngine, key_table
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.reader import Reader
 from colifs.replicas import Replica, ServedFile, validate
@@ -75,6 +75,15 @@ class MountConfig:
     usage_file: str | None = None  # default: PRIMARY/.colifs-usage.json
     usage_interval: float = 60.0  # seconds between saves (and one at unmount)
     fuse_options: list[str] = field(default_factory=list)
+
+
+def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:
+    """The FUSE mount options of either engine (default_permissions: the kernel checks modes)."""
+    options = {"default_permissions", "ro", "fsname=colifs", "subtype=colifs", "noatime"}
+    if allow_other:
+        options.add("allow_other")
+    options.update(extra)
+    return sorted(options)
 
 
 def _same_or_inside(path: str, root: str) -> bool:

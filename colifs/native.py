@@ -55,7 +55,7 @@ class NativeCounters:
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
         sizes = [nrep] * 5 + [1, nk * nrep, nk, nf, nf]
-        self.buffer = mmap.mmap(-1, max(8, 8 * sum(sizes)))
+        self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
         for n in sizes:
@@ -70,10 +70,8 @@ class NativeCounters:
 
     @property
     def memory(self) -> memoryview:
-        """The exact bytes the engine writes to."""
-        return memoryview(self.buffer)[
-            : 8 * (5 * self.nrep + 1 + len(self.keys) * (self.nrep + 1) + 2 * len(self.files))
-        ]
+        """The bytes the engine writes to (module.c checks their size against the same layout)."""
+        return memoryview(self.buffer)
 
     @property
     def bytes_served(self) -> list[int]:
@@ -372,12 +370,3 @@ class NativeEngine:
         down_for = h.check_passed()
         self.engine.set_up(drive, True)
         log.warning("mirror %s: check read passed; back in use (down for %.1f s)", root, down_for)
-
-
-def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:
-    """The FUSE mount options both engines use."""
-    options = {"default_permissions", "ro", "fsname=colifs", "subtype=colifs", "noatime"}
-    if allow_other:
-        options.add("allow_other")
-    options.update(extra)
-    return sorted(options)

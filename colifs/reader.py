@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import outcome
 import trio
 
-from colifs.backing import BackingIO, Changed, check_read, open_checked, what_changed
+from colifs.backing import BackingIO, Changed, check_read, check_unchanged, open_checked
 from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.health import Health
 from colifs.layout import ExpertKey
@@ -132,9 +132,7 @@ class Reader:
     def _pread_checked(self, fd: int, view: memoryview, offset: int, expect: Identity) -> int:
         """A mirror read whose bytes count only if the file is unchanged after it (worker thread)."""
         n = self.io.pread_into(fd, view, offset)
-        now = self.io.identity(fd)
-        if now != expect:
-            raise Changed(what_changed(expect, now))
+        check_unchanged(self.io, fd, expect)
         return n
 
     def _path(self, drive: int, f: ServedFile) -> str:
