@@ -7,13 +7,12 @@ import argparse
 import errno
 import json
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 
 from colifs import __version__
-from colifs.errors import MountError, NotMountedError, QuietError, UsageError
+from colifs.errors import BusyError, MountError, NotMountedError, QuietError, UsageError
 
 READY = b"\0colifs-ready\n"
 WEIGHTS_ENV = "COLI_DISK_WEIGHTS"
@@ -133,11 +132,20 @@ def _parser() -> argparse.ArgumentParser:
     u = sub.add_parser(
         "umount",
         help="unmount and wait for the daemon to exit",
-        description="Unmount a colifs mount and wait for its daemon to exit. "
-        "Also clears a stale mount whose daemon is gone.",
+        description="Unmount a colifs mount and wait for its daemon to exit (it saves its usage "
+        "first). Refused, exit code 6, while any process has a file of the mount open or mapped, "
+        "naming them: a loaded model is never pulled from under its process. Also clears a stale "
+        "mount whose daemon is gone.",
     )
     u.add_argument("mountpoint", help="a colifs mount point")
     u.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the daemon (default: 60)")
+    u.add_argument(
+        "--lazy",
+        action="store_true",
+        help="detach even while processes use the mount: they keep their open and mapped files, the "
+        "daemon serves them until the last one closes, then exits (without --lazy a busy mount is "
+        "refused with exit code 6)",
+    )
 
     p_ = sub.add_parser(
         "probe",
@@ -454,31 +462,47 @@ def _mounted(mountpoint: str) -> bool:
     return mount_type(mountpoint) == "fuse.colifs"
 
 
-def _fusermount(mountpoint: str, lazy: bool) -> None:
-    cmd = ["fusermount3", "-u"] + (["-z"] if lazy else []) + [mountpoint]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        msg = (done.stderr.strip().splitlines() or ["failed"])[-1]
-        raise QuietError(f"cannot unmount {mountpoint}: {msg}")
-
-
 def cmd_umount(args: argparse.Namespace) -> int:
-    mnt = args.mountpoint
+    from colifs.unmount import Busy, UnmountFailed, describe, unmount
+
+    mnt = os.path.realpath(args.mountpoint)
     if not _mounted(mnt):
         raise NotMountedError(f"{mnt} is not a colifs mount")
     try:
         pid = int(_read_stats(mnt)["pid"])
     except NotMountedError:  # stale: the daemon died; only the kernel's mount is left
-        _fusermount(mnt, lazy=True)
+        _unmount_or_fail(mnt, lazy=True)
         print(f"colifs: cleared stale mount {mnt}", file=sys.stderr)
         return 0
-    os.kill(pid, 15)  # SIGTERM: the daemon unmounts itself cleanly and exits
-    deadline = time.monotonic() + args.timeout
-    while _alive(pid) or _mounted(mnt):
+    try:
+        unmount(mnt)  # the kernel refuses while any process uses the mount: nothing is pulled
+    except Busy as e:
+        if not args.lazy:
+            raise BusyError(f"{e} (it keeps serving; --lazy detaches it now)") from None
+        _unmount_or_fail(mnt, lazy=True)
+        print(
+            f"colifs: detached {mnt}; daemon {pid} serves what is still open or mapped and exits once "
+            f"the last process lets go ({describe(e.users)})",
+            file=sys.stderr,
+        )
+        return 0
+    except UnmountFailed as e:
+        raise QuietError(f"cannot unmount {mnt}: {e}") from None
+    deadline = time.monotonic() + args.timeout  # the daemon saves its usage file, then exits
+    while _alive(pid):
         if time.monotonic() > deadline:
             raise QuietError(f"daemon {pid} of {mnt} did not exit within {args.timeout:g} s")
         time.sleep(0.02)
     return 0
+
+
+def _unmount_or_fail(mnt: str, lazy: bool) -> None:
+    from colifs.unmount import UnmountFailed, unmount
+
+    try:
+        unmount(mnt, lazy)
+    except UnmountFailed as e:
+        raise QuietError(f"cannot unmount {mnt}: {e}") from None
 
 
 def _alive(pid: int) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 # Exit codes (documented in README.md). 2 is argparse's own code for a bad command line.
 EXIT_USAGE = 2
 EXIT_NOT_MOUNTED = 3
+EXIT_BUSY = 6  # `colifs umount`: a process still has a file of the mount open or mapped
 EXIT_MOUNT_FAILED = 32  # same meaning as mount(8)'s 32: "mount failure"
 
 
@@ -35,3 +36,9 @@ class NotMountedError(QuietError):
     """The path given is not a running colifs mount."""
 
     exit_code = EXIT_NOT_MOUNTED
+
+
+class BusyError(QuietError):
+    """The mount is in use; unmounting it would pull files from under running processes."""
+
+    exit_code = EXIT_BUSY

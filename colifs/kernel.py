@@ -25,20 +25,41 @@ class Knobs:
     max_background: int  # 0: leave the kernel's default; congestion_threshold follows at 3/4
 
 
-def mount_type(path: str) -> str | None:
-    """The filesystem type mounted at `path` (`fuse.colifs`, ...), None when nothing is; of mounts
-    stacked on one path, the last (the one seen there).
+@dataclass(frozen=True)
+class MountEntry:
+    """One line of /proc/self/mountinfo: what is mounted on a path."""
 
-    /proc/self/mounts escapes spaces, tabs, newlines and backslashes in paths as octal.
-    """
-    real = os.path.realpath(path)
+    mount_id: int
+    dev: int  # st_dev of the files on it
+    fstype: str  # `fuse.colifs`, `ext4`, ...
+
+
+def _unescape(field: str) -> str:
+    """The kernel writes spaces, tabs, newlines and backslashes in paths as octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def mount_at(real: str) -> MountEntry | None:
+    """The mount on the resolved path `real` (of mounts stacked on one path, the last: the one seen
+    there). It resolves nothing itself: a daemon must not stat its own mount before serving it."""
     found = None
-    with open("/proc/self/mounts") as f:
+    with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 2 and re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), fields[1]) == real:
-                found = fields[2]
+            try:
+                sep = fields.index("-", 6)
+            except ValueError:
+                continue
+            if _unescape(fields[4]) == real:
+                major, minor = fields[2].split(":")
+                found = MountEntry(int(fields[0]), os.makedev(int(major), int(minor)), fields[sep + 1])
     return found
+
+
+def mount_type(path: str) -> str | None:
+    """The filesystem type mounted at `path`, None when nothing is."""
+    entry = mount_at(os.path.realpath(path))
+    return entry.fstype if entry else None
 
 
 def _write(path: str, value: int) -> None:

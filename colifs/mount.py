@@ -1,5 +1,6 @@
 """Mount lifecycle: check paths → build (tree, headers, mirror validation, routing) → init → serve →
-clean unmount on SIGTERM/SIGINT or an external `fusermount3 -u`.
+until unmounted (`colifs umount`, umount(8)) or signalled (SIGTERM/SIGINT/SIGHUP: unmount once no
+process uses the mount).
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ import contextlib
 import errno
 import functools
 import logging
+import math
 import os
 import signal
 import stat
@@ -24,7 +26,7 @@ from colifs.backing import BackingIO, OsIO
 from colifs.errors import MountError, QuietError
 from colifs.formats import format_of
 from colifs.fs import ColiFS
-from colifs.kernel import Knobs, mount_type, tune
+from colifs.kernel import Knobs, MountEntry, mount_at, mount_type, tune
 from colifs.namespace import STATS_INO, Namespace
 from colifs.native import NativeCounters, NativeEngine, key_table
 from colifs.probe import ProbeResult, probe, table, weights_from
@@ -34,6 +36,7 @@ from colifs.routing import CHUNK, balanced_weights, expected_shares, positions, 
 from colifs.stage import load_receipt, receipt_vouches
 from colifs.stats import KeepWarnings, Stats
 from colifs.tree import Tree
+from colifs.unmount import Busy, UnmountFailed, unmount
 from colifs.usage import USAGE_NAME, BadUsageFile, Usage, key_sizes, traffic
 from colifs.usage import load as load_usage
 from colifs.usage import save as save_usage
@@ -51,6 +54,8 @@ DEFAULT_MAX_BACKGROUND = 256
 # other drives (head-of-line blocking). The per-drive thread count bounds the real I/O.
 MAX_TASKS = 1024
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+BUSY_RETRY = 0.5  # s between unmount attempts after a stop signal while the mount is in use
+BUSY_WARN_INTERVAL = 60.0  # s between the warnings naming who still uses it
 
 
 @dataclass
@@ -450,6 +455,30 @@ def _signals_recorded() -> Iterator[list[int]]:
             signal.signal(s, handler)
 
 
+async def _unmount_when_unused(mnt: str, own: MountEntry | None, unmounted: Callable[[], None]) -> None:
+    """A stop signal unmounts as soon as the kernel allows: while a process still has a file of the
+    mount open or mapped, keep serving it (and say who, now and then), never pull it away."""
+    warned = -math.inf
+    while True:
+        now = mount_at(mnt)
+        if own is None or now is None or now.mount_id != own.mount_id:
+            log.info("%s is already detached: serving what is still open until the last user closes it", mnt)
+            return
+        try:
+            await trio.to_thread.run_sync(unmount, mnt)
+        except Busy as e:
+            if time.monotonic() - warned >= BUSY_WARN_INTERVAL:
+                warned = time.monotonic()
+                log.warning("%s; still serving it, unmounting once nothing uses it (colifs umount --lazy "
+                            "detaches it now)", e)  # fmt: skip
+            await trio.sleep(BUSY_RETRY)
+            continue
+        except UnmountFailed as e:
+            log.warning("cannot unmount %s (%s); ending the session", mnt, e)
+        unmounted()
+        return
+
+
 async def _main(
     mnt: str,
     knobs: Knobs,
@@ -461,28 +490,29 @@ async def _main(
     tasks: list[Callable[[], Awaitable[None]]],
 ) -> None:
     """Serve (`loop` returns once unmounted) until a stop signal (`terminate` ends the loop)."""
+    own = mount_at(mnt)  # just mounted: ours (a later mount on the same path is not)
     async with trio.open_nursery() as nursery:
 
         async def fuse_loop() -> None:
             await loop()
-            nursery.cancel_scope.cancel()  # unmounted from outside (fusermount3 -u)
+            log.info("%s was unmounted; stopping", mnt)  # colifs umount, umount(8)
+            nursery.cancel_scope.cancel()
 
-        def stop(sig: int) -> None:
-            log.info("signal %s: unmounting %s", signal.Signals(sig).name, mnt)
+        def unmounted() -> None:
             terminate()
             # The start-up calls below go through the mount: once the loop stops they would wait
-            # forever, so they are abandoned (closing the session then unmounts and they return).
+            # forever, so they are abandoned.
             nursery.cancel_scope.cancel()
 
         async def signals(task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+            # Open for the whole life of the mount: a later signal is taken here, never fatal.
             with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
                 task_status.started()
-                if early:
-                    stop(early[0])
-                    return
-                async for sig in sigs:
-                    stop(sig)
-                    return
+                sig = early[0] if early else await sigs.__anext__()
+                log.info("signal %s: unmounting %s once no process uses it", signal.Signals(sig).name, mnt)
+                await _unmount_when_unused(mnt, own, unmounted)
+                async for _ in sigs:
+                    pass  # already stopping
 
         nursery.start_soon(fuse_loop)
         for task in tasks:
@@ -490,7 +520,12 @@ async def _main(
         await nursery.start(signals)
         # Ready means serving: a real request through the kernel proves it.
         path = os.path.join(mnt, ".colifs", "stats")
-        await trio.to_thread.run_sync(os.stat, path, abandon_on_cancel=True)
+        try:
+            await trio.to_thread.run_sync(os.stat, path, abandon_on_cancel=True)
+        except OSError:
+            if mount_at(mnt) == own:
+                raise
+            return  # unmounted before it ever served (a stop signal at start-up): the loop ends
         log.debug("serving %s (stats inode %d answered)", mnt, STATS_INO)
         stats.kernel = await trio.to_thread.run_sync(tune, mnt, knobs, abandon_on_cancel=True)
         log.info("kernel: %s", ", ".join(f"{k} {v}" for k, v in stats.kernel.items()))

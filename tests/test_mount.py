@@ -501,8 +501,18 @@ def test_kernel_knobs_are_set_and_reported(model) -> None:
 # -- GGUF ----------------------------------------------------------------------------------------
 
 
-def test_gguf_models_through_the_mount(tmp_path: Path) -> None:
+def assert_same_gguf(direct: Path, via: Path) -> None:
+    """gguf's reader sees the same tensors both ways (its maps are gone on return: the mount is
+    not held busy by them)."""
     import gguf
+
+    a, b = gguf.GGUFReader(str(direct)), gguf.GGUFReader(str(via))
+    assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
+    for x, y in zip(a.tensors, b.tensors, strict=True):
+        assert x.tensor_type == y.tensor_type and bytes(x.data) == bytes(y.data), x.name
+
+
+def test_gguf_models_through_the_mount(tmp_path: Path) -> None:
 
     from colifs.synth import write_gguf
 
@@ -525,10 +535,7 @@ def test_gguf_models_through_the_mount(tmp_path: Path) -> None:
     with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--routing", "expert") as m:
         for p in sorted(primary.glob("*.gguf")):
             via = m.path / p.name
-            a, b = gguf.GGUFReader(str(p)), gguf.GGUFReader(str(via))
-            assert [t.name for t in a.tensors] == [t.name for t in b.tensors]
-            for x, y in zip(a.tensors, b.tensors, strict=True):
-                assert x.tensor_type == y.tensor_type and bytes(x.data) == bytes(y.data), x.name
+            assert_same_gguf(p, via)
             want = p.read_bytes()
             with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
                 assert mm[:] == want
@@ -564,7 +571,6 @@ def test_bad_and_divergent_gguf_files(tmp_path: Path) -> None:
 
 
 def test_split_gguf_files_are_each_parsed_and_routed(tmp_path: Path) -> None:
-    import gguf
 
     from colifs.synth import write_gguf
 
@@ -578,8 +584,7 @@ def test_split_gguf_files_are_each_parsed_and_routed(tmp_path: Path) -> None:
         st = m.stats()
         for p in parts:
             assert st["files"][p.name]["replicas"] == [str(primary), str(mirror)]
-            a, b = gguf.GGUFReader(str(p)), gguf.GGUFReader(str(m.path / p.name))
-            assert all(bytes(x.data) == bytes(y.data) for x, y in zip(a.tensors, b.tensors, strict=True))
+            assert_same_gguf(p, m.path / p.name)
         assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
 
 
