@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import errno
 import functools
-import logging
 import os
 import stat
 from collections.abc import Awaitable, Callable, Sequence
@@ -16,10 +15,9 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from colifs.boundary import request_errno
 from colifs.namespace import CONTROL_DIR, STATS_INO, STATS_JSON_INO, Attr, Namespace
 from colifs.reader import OpenFile, Reader
-
-log = logging.getLogger("colifs")
 
 __all__ = ["CONTROL_DIR", "STATS_INO", "ColiFS"]
 
@@ -27,7 +25,7 @@ F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 
 
 def fuse_boundary(fn: F) -> F:
-    """Map OSError → FUSEError(errno) and any other failure → EIO, once, at the FUSE boundary."""
+    """Every handler's failure becomes an errno here, once (colifs.boundary): never an exit."""
 
     @functools.wraps(fn)
     async def wrapper(*args: Any) -> Any:
@@ -35,11 +33,8 @@ def fuse_boundary(fn: F) -> F:
             return await fn(*args)
         except pyfuse3.FUSEError:
             raise
-        except OSError as e:
-            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
-        except Exception:
-            log.exception("internal error in %s", fn.__name__)
-            raise pyfuse3.FUSEError(errno.EIO) from None
+        except Exception as e:
+            raise pyfuse3.FUSEError(request_errno(e, fn.__name__)) from None
 
     return wrapper  # type: ignore[return-value]
 
@@ -116,7 +111,7 @@ class ColiFS(pyfuse3.Operations):
 
     @fuse_boundary
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
-        st = os.statvfs(self.ns.tree.root)
+        st = self.ns.statfs()
         out = pyfuse3.StatvfsData()
         out.f_bsize, out.f_frsize = st.f_bsize, st.f_frsize
         out.f_blocks, out.f_bfree, out.f_bavail = st.f_blocks, st.f_bfree, st.f_bavail
@@ -133,7 +128,7 @@ class ColiFS(pyfuse3.Operations):
         if inode in (STATS_INO, STATS_JSON_INO):
             # A snapshot per open, read with direct I/O: every reader sees current numbers.
             fh = self._new_fh()
-            self._handles[fh] = self.ns.render(inode)
+            self._handles[fh] = self.ns.snapshot(inode)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         f = self.files.get(inode)
         if f is None:

@@ -24,6 +24,7 @@ from colifs.layout import MAX_HEADER, ExpertKey, Key, Layout, LayoutError
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4
+MAX_ARRAY_DEPTH = 4  # arrays of arrays: llama.cpp writes none deeper than 2
 
 # ggml type id → (elements per block, bytes per block), as in gguf.constants.GGML_QUANT_SIZES.
 GGML_TYPES: dict[int, tuple[int, int]] = {
@@ -101,7 +102,9 @@ class _Cursor:
             self.take(_FIXED[vtype])
         elif vtype == _STRING:
             self.string()
-        elif vtype == _ARRAY and depth < 4:
+        elif vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise LayoutError(f"metadata arrays nested deeper than {MAX_ARRAY_DEPTH}")
             itype = self.u32()
             n = self.count("array", _FIXED.get(itype, 8))
             if itype in _FIXED:

@@ -8,13 +8,14 @@ split into pieces that each belong to exactly one key.
 
 from __future__ import annotations
 
-import json
 import re
 import struct
 from bisect import bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from colifs import jsonin
 
 MAX_HEADER = 100_000_000  # the limit safetensors itself enforces
 HEADER = -1  # the extent index of the header bytes: always served by the primary
@@ -221,9 +222,9 @@ def _entries(header: bytes, file_size: int) -> tuple[int, list[tuple[int, int, s
     except UnicodeDecodeError as e:
         raise LayoutError(f"header is not valid UTF-8 (byte {e.start})") from None
     try:
-        meta = json.loads(text)
-    except ValueError as e:
-        raise LayoutError(f"header is not valid JSON ({e.msg} at char {e.pos})") from None
+        meta = jsonin.loads(text)
+    except jsonin.BadJSON as e:
+        raise LayoutError(f"header is not valid JSON ({e})") from None
     if not isinstance(meta, dict):
         raise LayoutError("header JSON is not an object")
     data_start = 8 + n

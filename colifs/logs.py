@@ -19,7 +19,7 @@ def setup(debug: bool = False, log_file: str | None = None) -> None:
     for h in list(log.handlers):
         log.removeHandler(h)
     err = logging.StreamHandler(sys.stderr)
-    err.setFormatter(_Short())
+    err.setFormatter(_Short(tracebacks=debug))
     err.setLevel(logging.DEBUG if debug else logging.INFO)
     log.addHandler(err)
     if log_file:
@@ -55,12 +55,17 @@ def one_line(text: str) -> str:
 
 
 class _Short(logging.Formatter):
-    """`colifs: message` for information, `colifs: warning: message` for the rest."""
+    """`colifs: message` for information, `colifs: warning: message` for the rest; one line per
+    record (a traceback only with --debug: the log file has them)."""
+
+    def __init__(self, tracebacks: bool) -> None:
+        super().__init__()
+        self.tracebacks = tracebacks
 
     def format(self, record: logging.LogRecord) -> str:
         level = "" if record.levelno == logging.INFO else record.levelname.lower() + ": "
         text = f"colifs: {level}{one_line(record.getMessage())}"
-        if record.exc_info:
+        if record.exc_info and self.tracebacks:
             text += "\n" + self.formatException(record.exc_info)
         return text
 

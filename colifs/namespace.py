@@ -32,6 +32,12 @@ ROUTE_XATTR = b"user.colifs.route."
 ENOATTR = errno.ENODATA
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 CACHE_TIMEOUT = 3600.0  # the backing files are immutable while mounted
+CONTROL_STEP = 64  # bytes: a control file's size grows in steps of this, with 1/8 room to spare
+
+
+def _room(n: int) -> int:
+    """The size a control file of n bytes grows to: rarely changing, little padding."""
+    return -(-(n + n // 8) // CONTROL_STEP) * CONTROL_STEP
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +71,7 @@ class Namespace:
         self.stats = stats
         self.replicas = list(replicas)
         self._drive_at = drive_at  # the drive that serves a byte now (the engine knows health)
+        self._control_sizes: dict[int, int] = {}  # grows only (see snapshot)
         self._attrs = {ino: self._node_attr(ino) for ino in tree.nodes}
         root = self._attrs[ROOT_INO]
         started = int(stats.started * 1e9)
@@ -93,9 +100,9 @@ class Namespace:
         if ino in (STATS_INO, STATS_JSON_INO):
             d = self._attrs[CONTROL_INO]
             now = time.time_ns()
-            return Attr(
-                ino, stat.S_IFREG | 0o444, 1, d.uid, d.gid, len(self.render(ino)), 0, now, now, now, 0
-            )
+            size = self.control_size(ino)
+            blocks = -(-size // 512)  # not sparse: cp copies what it reads, never pads to the size
+            return Attr(ino, stat.S_IFREG | 0o444, 1, d.uid, d.gid, size, blocks, now, now, now, 0)
         try:
             return self._attrs[ino]
         except KeyError:
@@ -124,6 +131,25 @@ class Namespace:
         if ino is None:
             raise OSError(errno.ENOENT, "no such entry")
         return ino
+
+    def statfs(self) -> os.statvfs_result:
+        """The primary's filesystem: its size and free space are what the mount reports."""
+        return os.statvfs(self.tree.root)
+
+    def snapshot(self, ino: int) -> bytes:
+        """A control file's content now, as an open reads it: padded with spaces (before its last
+        newline; JSON allows them) to the file's size, which only grows, in steps. So every
+        snapshot has the size a stat showed before it, and cp, sendfile (which reads up to the
+        size) and json.load all get whole content, however the numbers change in between."""
+        data = self.render(ino)
+        size = self._control_sizes.get(ino, 0)
+        if len(data) > size:
+            size = self._control_sizes[ino] = _room(len(data))
+        return data[:-1] + b" " * (size - len(data)) + data[-1:]
+
+    def control_size(self, ino: int) -> int:
+        size = self._control_sizes.get(ino)
+        return len(self.snapshot(ino)) if size is None else size
 
     def render(self, ino: int) -> bytes:
         """A control file's content now."""

@@ -9,7 +9,6 @@ primary errors → the log) and answers the rare requests it passes up (control 
 
 from __future__ import annotations
 
-import errno
 import logging
 import math
 import mmap
@@ -21,6 +20,7 @@ import trio
 
 from colifs import _native
 from colifs.backing import Changed, OsIO, check_read
+from colifs.boundary import request_errno
 from colifs.buffers import align_down
 from colifs.errors import MountError
 from colifs.health import Health
@@ -239,22 +239,21 @@ class NativeEngine:
     # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------
 
     def _control(self, ino: int) -> bytes | int:
-        return self._guard(self.ns.render, ino)
+        return self._guard("open", self.ns.snapshot, ino)
 
     def _xattr(self, ino: int, name: bytes) -> bytes | int:
-        return self._guard(self.ns.xattr, ino, name)
+        return self._guard("getxattr", self.ns.xattr, ino, name)
 
     def _listxattr(self, ino: int) -> bytes | int:
-        return self._guard(lambda i: b"".join(n + b"\0" for n in self.ns.xattr_names(i)), ino)
+        return self._guard("listxattr", lambda i: b"".join(n + b"\0" for n in self.ns.xattr_names(i)), ino)
 
-    def _guard(self, fn: Callable[..., bytes], *args: object) -> bytes | int:
+    @staticmethod
+    def _guard(handler: str, fn: Callable[..., bytes], *args: object) -> bytes | int:
+        """The same boundary as the pyfuse3 engine's (colifs.boundary): an errno, never a raise."""
         try:
             return fn(*args)
-        except OSError as e:
-            return e.errno or errno.EIO
-        except Exception:
-            log.exception("internal error answering a request")
-            return errno.EIO
+        except Exception as e:
+            return request_errno(e, handler)
 
     def _event(self, kind: int, drive: int, file: int, text: bytes, timed_out: int, successes: int) -> None:
         try:

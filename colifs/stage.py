@@ -17,6 +17,7 @@ import contextlib
 import errno
 import hashlib
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -24,12 +25,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from colifs.errors import QuietError
+from colifs.jsonin import BadJSON, load_file
 from colifs.plan import Choice, Shard
 from colifs.progress import Progress
 
 TMP_PREFIX = ".colifs-stage-"
 TMP_SUFFIX = ".tmp"
+log = logging.getLogger("colifs")
+
 RECEIPT_NAME = ".colifs-receipt.json"
+MAX_RECEIPT = 64 << 20  # bytes: ~300 bytes per shard
 READ_BLOCK = 8 << 20
 EXIT_DIFFERS = 4  # verify: a mirror copy the mount would use differs from the primary
 EXIT_SHORT = 5  # stage: stopped before the whole selection was in place (space)
@@ -150,13 +155,21 @@ def both_digests(primary: str, mirror: str, relpath: str, progress: Progress | N
 
 
 def load_receipt(mirror: str) -> dict[str, dict]:
-    """Entries of an earlier receipt by path (empty if none or unreadable: it is only a cache)."""
+    """Entries of an earlier receipt by path (empty if none or unusable: it is only a cache)."""
+    path = os.path.join(mirror, RECEIPT_NAME)
     try:
-        with open(os.path.join(mirror, RECEIPT_NAME)) as f:
-            data = json.load(f)
-        return {e["path"]: e for e in data["shards"]}
-    except (OSError, ValueError, KeyError, TypeError):
+        data = load_file(path, MAX_RECEIPT)
+        return {e["path"]: e for e in data["shards"]}  # type: ignore[index]
+    except FileNotFoundError:
         return {}
+    except OSError as e:
+        reason = e.strerror
+    except BadJSON as e:
+        reason = str(e)
+    except (KeyError, TypeError):
+        reason = "not a colifs receipt"
+    log.warning("%s: unusable (%s); ignored: its copies are checked by header only", path, reason)
+    return {}
 
 
 def write_receipt(mirror: str, primary: str, entries: Sequence[dict]) -> None:

@@ -20,10 +20,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from colifs.errors import UsageError
+from colifs.jsonin import BadJSON, load_file
 from colifs.layout import ExpertKey, Key, Layout
 
 USAGE_NAME = ".colifs-usage.json"
 COLI_USAGE_NAME = ".coli_usage"
+MAX_USAGE_FILE = 256 << 20  # bytes: a million keys fit in a tenth of it
 FORMAT = "colifs-usage"
 VERSION = 1
 COLI_VERSION = 1  # the newest .coli_usage version understood
@@ -119,15 +121,12 @@ def _row(row: object) -> list[int]:
 def load(path: str) -> Usage:
     """The usage file at `path` (empty if there is none); BadUsageFile if it cannot be used."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        data = load_file(path, MAX_USAGE_FILE)
     except FileNotFoundError:
         return Usage()
     except OSError as e:
         raise BadUsageFile(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except BadJSON as e:
         raise BadUsageFile(f"{path}: not valid JSON ({e})") from None
     return Usage.from_json(data, path)
 
@@ -164,8 +163,11 @@ def read_coli_usage(path: str, key_bytes: Mapping[Key, int], main_stack: str) ->
     Its layers are the main stack's (`main_stack`); an expert the model lacks is skipped.
     """
     try:
-        with open(path, encoding="ascii") as f:
-            lines = f.read().splitlines()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_USAGE_FILE + 1)
+        if len(raw) > MAX_USAGE_FILE:
+            raise BadUsageFile(f"{path}: larger than {MAX_USAGE_FILE} bytes: not a usage file")
+        lines = raw.decode("ascii").splitlines()
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not ASCII text"
         raise BadUsageFile(f"{path}: cannot read ({reason})") from None

@@ -34,17 +34,24 @@ node_t *engine_node(engine_t *e, uint64_t ino) {
     return lo < e->nnodes && e->nodes[lo].ino == ino ? &e->nodes[lo] : NULL;
 }
 
-/* The attributes of a node; a control file's size is that of its content now. */
-static int attr_of(engine_t *e, node_t *n, struct stat *st) {
+/* The attributes of a node. A control file's size is that of a snapshot now (Python pads each to
+ * a size that only grows, so a stat before an open matches it) or, asked through an open file,
+ * that file's own snapshot's. */
+static int attr_of(engine_t *e, node_t *n, const handle_t *h, struct stat *st) {
     *st = n->st;
     if (n->kind == NODE_CONTROL_FILE) {
-        char *data;
         size_t len;
-        int err = e->control(e->py, n->ino, &data, &len);
-        if (err)
-            return err;
-        free(data);
+        if (h && h->kind == H_CONTROL) {
+            len = h->len;
+        } else {
+            char *data;
+            int err = e->control(e->py, n->ino, &data, &len);
+            if (err)
+                return err;
+            free(data);
+        }
         st->st_size = (off_t)len;
+        st->st_blocks = (blkcnt_t)((len + 511) / 512); /* not sparse: cp copies, never pads */
         struct timespec now;
         clock_gettime(CLOCK_REALTIME, &now);
         st->st_atim = st->st_mtim = st->st_ctim = now;
@@ -66,7 +73,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
         node_t *n = engine_node(e, c->ino);
         struct fuse_entry_param ep;
         memset(&ep, 0, sizeof ep);
-        int err = n ? attr_of(e, n, &ep.attr) : ENOENT;
+        int err = n ? attr_of(e, n, NULL, &ep.attr) : ENOENT;
         if (err) {
             fuse_reply_err(req, err);
             return;
@@ -80,11 +87,11 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
 }
 
 static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
-    (void)fi;
     engine_t *e = eng(req);
     node_t *n = engine_node(e, ino);
+    const handle_t *h = fi && fi->fh ? (const handle_t *)(uintptr_t)fi->fh : NULL;
     struct stat st;
-    int err = n ? attr_of(e, n, &st) : ENOENT;
+    int err = n ? attr_of(e, n, h, &st) : ENOENT;
     if (err)
         fuse_reply_err(req, err);
     else

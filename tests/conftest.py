@@ -52,10 +52,10 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 
 def run_colifs(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60
+    *args: str, env: dict[str, str] | None = None, timeout: float = 60, colifs: list[str] = COLIFS
 ) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [*COLIFS, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+        [*colifs, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
     )
 
 
@@ -89,11 +89,14 @@ class Mount:
 
 
 @contextmanager
-def mounted(primary: Path, mirrors: list[Path], mnt: Path, *extra: str, env=None) -> Iterator[Mount]:
-    """Mount with the real CLI; unmount (and check every mirror unchanged) whatever happens."""
+def mounted(
+    primary: Path, mirrors: list[Path], mnt: Path, *extra: str, env=None, colifs: list[str] = COLIFS
+) -> Iterator[Mount]:
+    """Mount with the real CLI (or `colifs`, a command that runs it); unmount (and check every
+    mirror unchanged) whatever happens."""
     before = {m: snapshot(m) for m in mirrors}
     mnt.mkdir(exist_ok=True)
-    done = run_colifs("mount", str(primary), *map(str, mirrors), str(mnt), *extra, env=env)
+    done = run_colifs("mount", str(primary), *map(str, mirrors), str(mnt), *extra, env=env, colifs=colifs)
     try:
         assert done.returncode == 0, done.stderr
         assert is_mounted(mnt)

@@ -22,6 +22,16 @@ def st_file(meta: object, data: bytes = b"", length: int | None = None) -> bytes
     return struct.pack("<Q", len(text) if length is None else length) + text + data
 
 
+def raw_header(text: bytes) -> bytes:
+    """A safetensors file whose header is `text`, verbatim (what json.dumps would never write)."""
+    return struct.pack("<Q", len(text)) + text
+
+
+def gguf_kv(value: bytes) -> bytes:
+    """A GGUF file of no tensors and one metadata key, `general.x`, of type and value `value`."""
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 9) + b"general.x" + value
+
+
 def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
 
@@ -51,6 +61,18 @@ CORPUS: dict[str, tuple[bytes, str]] = {
     "with space and ünïcode.safetensors": (b"\x00", "shorter than the 8-byte"),
     "new\nline.safetensors": (b"\x00", "shorter than the 8-byte"),
     "bad.gguf": (b"GGUF" + struct.pack("<IQQ", 3, 2**40, 0), "does not fit"),
+    # hostile: what would end a daemon whose parsers trust their input
+    "nested.safetensors": (raw_header(b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+    "nested-metadata.safetensors": (
+        raw_header(b'{"__metadata__": {"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}}"),
+        "nested too deeply",
+    ),
+    "huge-integer.safetensors": (raw_header(b'{"x": [' + b"9" * 100_000 + b"]}"), "not valid JSON"),
+    "nested.gguf": (
+        gguf_kv(struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 10_000),
+        "nested deeper than 4",
+    ),
+    "huge-array.gguf": (gguf_kv(struct.pack("<IIQ", 9, 4, 2**62)), "does not fit"),
 }
 
 
@@ -89,3 +111,25 @@ def test_every_bad_file_is_one_warning_and_plain_bytes(tmp_path: Path) -> None:
             assert (m.path / p.name).read_bytes() == p.read_bytes()
         assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
         assert all("\n" not in w for w in st["recent_warnings"])
+
+
+def test_hostile_usage_file_and_receipt_are_one_warning_each(tmp_path: Path) -> None:
+    from colifs.stage import RECEIPT_NAME
+    from colifs.usage import USAGE_NAME
+
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "mixtral", layers=1, experts=8, hidden=128, inter=128, shards=2)
+    shutil.copytree(primary, mirror)
+    nested = b"[" * 100_000 + b"]" * 100_000
+    (primary / USAGE_NAME).write_bytes(nested)
+    (mirror / RECEIPT_NAME).write_bytes(nested)
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        lines = m.stderr.splitlines()
+        usage = [x for x in lines if USAGE_NAME in x]
+        receipt = [x for x in lines if RECEIPT_NAME in x]
+        assert len(usage) == 1 and "nested too deeply" in usage[0] and "not updated this run" in usage[0]
+        assert len(receipt) == 1 and "nested too deeply" in receipt[0] and "ignored" in receipt[0]
+        for p in sorted(primary.glob("model-*.safetensors")):
+            assert m.stats()["files"][p.name]["replicas"] == [str(primary), str(mirror)]
+            assert (m.path / p.name).read_bytes() == p.read_bytes()
+    assert (primary / USAGE_NAME).read_bytes() == nested  # left as it was: the user decides

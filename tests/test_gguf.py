@@ -104,6 +104,14 @@ BAD = {
         build([], 0, kvs=s("general.x") + struct.pack("<I", 99), n_kv=1),
         "unknown metadata value type 99",
     ),
+    "nested arrays": (
+        build([], 0, kvs=s("general.x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 6, n_kv=1),
+        "nested deeper than 4",
+    ),
+    "absurd array count": (
+        build([], 0, kvs=s("general.x") + struct.pack("<IIQ", 9, 4, 2**61), n_kv=1),
+        "array count 2305843009213693952 does not fit",
+    ),
     "unknown ggml type": (build([("x", [32], 77, 0)], 128), "unknown ggml type 77"),
     "too many dims": (build([("x", [1, 1, 1, 1, 32], 0, 0)], 128), "5 dimensions"),
     "block": (build([("x", [33], 8, 0)], 128), "not a multiple of 32"),

@@ -126,6 +126,11 @@ def test_sub_byte_dtypes() -> None:
     assert parse_header(f, len(f)).keys == ("x",)
 
 
+def json_file(text: bytes) -> bytes:
+    """A file whose header is `text`, verbatim (what json.dumps would never write)."""
+    return struct.pack("<Q", len(text)) + text
+
+
 def entry(dtype: str, shape: list, begin: int, end: int) -> dict:
     return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
 
@@ -146,6 +151,13 @@ MALFORMED = {
     "trailing": (raw_file({"x": entry("F32", [1], 0, 4)}, b"abcdef"), "trailing bytes"),
     "negative": (raw_file({"x": entry("F32", [1], -4, 0)}), r"not \[begin, end\]"),
     "bool shape": (raw_file({"x": {"dtype": "U8", "shape": [True], "data_offsets": [0, 1]}}, b"a"), "shape"),
+    # hostile: what would crash a parser that trusts its input
+    "nested": (json_file(b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+    "nested metadata": (
+        json_file(b'{"__metadata__":' + b"[" * 10_000 + b"]" * 10_000 + b"}"),
+        "nested too deeply",
+    ),
+    "huge integer": (json_file(b'{"x": [' + b"9" * 5000 + b"]}"), "not valid JSON"),
 }
 
 

@@ -73,6 +73,8 @@ def test_usage_round_trips_and_saves_add_up(tmp_path: Path) -> None:
     ("content", "reason"),
     [
         ("{", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"format": "colifs-usage", "version": 1, "runs": ' + "9" * 5000 + "}", "not valid JSON"),
         ("[]", "not a colifs usage file"),
         ('{"format": "colifs-usage", "version": 99}', "newer than this colifs reads"),
         ('{"format": "colifs-usage", "version": 1, "files": {"a": [1]}}', "malformed entry"),
@@ -100,6 +102,7 @@ def test_coli_usage_is_read_and_newer_versions_refused(tmp_path: Path) -> None:
         ("-1 4 8\n9 2 10\n", "outside 4 x 8"),
         ("1 2\n", "expected '<layer> <expert> <count>'"),
         ("a b c\n", "not numbers"),
+        ("1 2 " + "9" * 5000 + "\n", "not numbers"),
     ]:
         path.write_text(text)
         with pytest.raises(BadUsageFile, match=reason):
