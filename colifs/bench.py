@@ -24,6 +24,7 @@ from pathlib import Path
 from colifs.buffers import align_down, align_up
 from colifs.formats import format_of
 from colifs.layout import ExpertKey, LayoutError
+from colifs.moe import Configs
 from colifs.routing import pick, positions
 
 
@@ -40,12 +41,13 @@ class Expert:
 def find_experts(root: str) -> list[Expert]:
     """Every routed expert of the model files (safetensors, GGUF) under `root`, with its byte ranges."""
     experts: dict[ExpertKey, Expert] = {}
+    configs = Configs(root)
     for path in sorted(Path(root).rglob("*")):
         fmt = format_of(path.name)
         if fmt is None or not path.is_file():
             continue
         try:
-            _, _, lay = fmt.read(str(path))
+            _, _, lay = fmt.read(str(path), configs.experts_for(str(path.relative_to(root))))
         except (OSError, LayoutError):
             continue
         rel = str(path.relative_to(root))

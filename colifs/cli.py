@@ -742,6 +742,8 @@ def cmd_route(args: argparse.Namespace) -> int:
     print(f"  key     {key}")
     print(f"  drive   {answer['drive']} ({answer['path']})")
     print(f"  copies  {', '.join(answer['valid_copies'])}")
+    keyed = ", ".join(f"{n} {why}" for why, n in answer.get("tensors_keyed", {}).items())
+    print(f"  file    tensors keyed: {keyed or 'none'}")
     return 0
 
 

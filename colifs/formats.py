@@ -27,17 +27,18 @@ def _pread_all(fd: int, n: int, off: int) -> bytes:
     return out
 
 
-def read_safetensors(fd: int, size: int) -> tuple[bytes, Layout]:
-    """The 8-byte length + JSON, and its layout."""
+def read_safetensors(fd: int, size: int, experts: int | None) -> tuple[bytes, Layout]:
+    """The 8-byte length + JSON, and its layout (`experts`: the count config.json states)."""
     n = header_length(_pread_all(fd, 8, 0), size)
     header = _pread_all(fd, 8 + n, 0)
     if len(header) != 8 + n:
         raise LayoutError(f"header cut short: {len(header) - 8} of {n} bytes read")
-    return header, parse_header(header, size)
+    return header, parse_header(header, size, experts)
 
 
-def read_gguf(fd: int, size: int) -> tuple[bytes, Layout]:
-    """Everything up to the aligned start of the data section, and its layout."""
+def read_gguf(fd: int, size: int, experts: int | None) -> tuple[bytes, Layout]:
+    """Everything up to the aligned start of the data section, and its layout. A GGUF file states
+    its expert count in its own metadata, which is what counts (`experts` is not used)."""
     layout, header = read_gguf_header(lambda off, n: _pread_all(fd, n, off), size)
     return header, layout
 
@@ -45,15 +46,16 @@ def read_gguf(fd: int, size: int) -> tuple[bytes, Layout]:
 @dataclass(frozen=True)
 class Format:
     suffix: str
-    reader: Callable[[int, int], tuple[bytes, Layout]]
+    reader: Callable[[int, int, int | None], tuple[bytes, Layout]]
     spans: Callable[[bytes, int], list[tuple[int, int, str]]]  # header → (start, end, tensor name)
 
-    def read(self, path: str) -> Header:
-        """(size, header bytes, layout) of the file at `path`; LayoutError or OSError if bad."""
+    def read(self, path: str, experts: int | None = None) -> Header:
+        """(size, header bytes, layout) of the file at `path`, its fused experts cut by the count
+        its config states (`experts`, colifs.moe); LayoutError or OSError if bad."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            header, layout = self.reader(fd, size)
+            header, layout = self.reader(fd, size, experts)
             return size, header, layout
         finally:
             os.close(fd)

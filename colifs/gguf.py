@@ -19,7 +19,17 @@ import re
 import struct
 from collections.abc import Callable
 
-from colifs.layout import MAX_HEADER, ExpertKey, Key, Layout, LayoutError
+from colifs.layout import (
+    BY_NAME,
+    DISAGREED,
+    FUSED_CONFIG,
+    FUSED_SHAPE,
+    MAX_HEADER,
+    ExpertKey,
+    Key,
+    Layout,
+    LayoutError,
+)
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -120,17 +130,19 @@ class _Cursor:
 
 def parse_gguf(header: bytes, file_size: int) -> Layout:
     """Build the Layout from the start of a GGUF file (raises Truncated if `header` is too short)."""
-    return _layout(*_infos(header, file_size), file_size)
+    infos, data_start, experts = _infos(header, file_size)
+    return _layout(infos, data_start, file_size, experts)
 
 
 def gguf_tensor_spans(header: bytes, file_size: int) -> list[tuple[int, int, str]]:
     """(start, end, name) of every tensor, in file offsets: what `colifs route` names."""
-    infos, data_start = _infos(header, file_size)
+    infos, data_start, _ = _infos(header, file_size)
     return sorted((data_start + off, data_start + off + n, name) for off, n, name, _ in infos if n)
 
 
-def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, list[int]]], int]:
-    """The tensor infos (data offset, bytes, name, dims) and the aligned data start."""
+def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, list[int]]], int, int | None]:
+    """The tensor infos (data offset, bytes, name, dims), the aligned data start, and the
+    routed-expert count the metadata states (None: it states none)."""
     c = _Cursor(header, file_size)
     if file_size < 4 or c.take(4) != MAGIC:
         raise LayoutError("not a GGUF file (bad magic)")
@@ -140,6 +152,7 @@ def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, lis
     n_tensors = c.count("tensor", 8 + 4 + 8 + 4 + 8)
     n_kv = c.count("metadata", 8 + 4 + 1)
     alignment = DEFAULT_ALIGNMENT
+    experts = None
     for _ in range(n_kv):
         key = c.string()
         vtype = c.u32()
@@ -147,6 +160,8 @@ def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, lis
             alignment = c.u32()
             if alignment == 0 or alignment & (alignment - 1):
                 raise LayoutError(f"general.alignment {alignment} is not a power of two")
+        elif key.endswith(b".expert_count") and key.count(b".") == 1 and vtype == _UINT32:
+            experts = c.u32() or None  # `<arch>.expert_count`: the model's own routed-expert count
         else:
             c.skip_value(vtype)
     infos = []
@@ -171,14 +186,20 @@ def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, lis
     data_start = -(-c.pos // alignment) * alignment
     if data_start > MAX_HEADER:
         raise LayoutError(f"header of {data_start} bytes is over the {MAX_HEADER}-byte limit")
-    return infos, data_start
+    return infos, data_start, experts
 
 
-def _layout(infos: list[tuple[int, int, str, list[int]]], data_start: int, file_size: int) -> Layout:
-    """Extents in offset order; the padding after a tensor belongs to it (and to its last slice)."""
+def _layout(
+    infos: list[tuple[int, int, str, list[int]]], data_start: int, file_size: int, experts: int | None
+) -> Layout:
+    """Extents in offset order; the padding after a tensor belongs to it (and to its last slice).
+    A fused `blk.L.ffn_*_exps` tensor ([..., E] in ggml's order) is cut into E slices when E agrees
+    with the metadata's expert count (or, without one, is at least 2)."""
     infos.sort()
     starts: list[int] = []
     keys: list[Key] = []
+    why: dict[str, int] = {}
+    disagreed: list[str] = []
     pos = 0
     for offset, nbytes, name, dims in infos:
         if offset < pos:
@@ -190,18 +211,26 @@ def _layout(infos: list[tuple[int, int, str, list[int]]], data_start: int, file_
         first = data_start + offset if starts else data_start  # leading padding: first tensor's
         m = _FUSED.match(name)
         n_exp = dims[-1] if m and len(dims) >= 2 else 0
+        reason = FUSED_CONFIG if experts is not None else FUSED_SHAPE
+        if n_exp and experts is not None and n_exp != experts:
+            n_exp, reason = 0, DISAGREED
+            disagreed.append(name)
         if n_exp >= 2 and nbytes % n_exp == 0:
             step = nbytes // n_exp
             for e in range(n_exp):
                 starts.append(first if e == 0 else data_start + offset + e * step)
                 keys.append(ExpertKey(m["stack"], int(m["layer"]), e))  # type: ignore[index]
         else:
+            reason = reason if reason == DISAGREED else BY_NAME
             starts.append(first)
             keys.append(name)
+        why[reason] = why.get(reason, 0) + 1
         pos = offset + nbytes
     if not starts and data_start < file_size:  # no tensor data, only padding after the header
         starts, keys = [data_start], ["<padding>"]
-    return Layout(data_start, file_size, tuple(starts), tuple(keys))
+    return Layout(
+        data_start, file_size, tuple(starts), tuple(keys), tuple(sorted(why.items())), tuple(disagreed)
+    )
 
 
 def read_gguf_header(read: Callable[[int, int], bytes], file_size: int) -> tuple[Layout, bytes]:

@@ -49,11 +49,24 @@ class LayoutError(ValueError):
 # because `experts` must follow a dot directly.
 _PER_EXPERT = re.compile(r"^(?P<stack>.+?)\.(?P<layer>\d+)\.(?:.+\.)?experts\.(?P<expert>\d+)\.")
 # Fused tensors with the expert as dimension 0: gpt-oss `experts.gate_up_proj_blocks`,
-# Llama-4 / Qwen-VL `experts.gate_up_proj`, Granite / JetMoE `input_linear` / `output_linear`.
+# Llama-4 `experts.gate_up_proj`, GraniteMoE / JetMoE `input_linear` / `output_linear`; DBRX's
+# `ffn.experts.mlp.w1` is row-fused ([E·I, H]: see _ROW_FUSED).
 _FUSED = re.compile(
     r"^(?P<stack>.+?)\.(?P<layer>\d+)\.(?:.+\.)?"
-    r"(?:experts\.(?!\d+\.)[^.]+|(?:block_sparse_moe|moe)\.(?:input|output)_linear\.)"
+    r"(?:experts\.(?!\d+\.)[^.]+|(?:block_sparse_moe|moe|mlp)\.(?:input|output)_linear\.)"
 )
+# Row-fused: dimension 0 is experts × rows, so only a config's expert count can cut it.
+_ROW_FUSED = re.compile(r"\.ffn\.experts\.mlp\.")
+# Never an expert, whatever its shape: routers and gates, shared experts, norms, routing statistics.
+_NOT_EXPERT = {"router", "gate", "shared_expert", "shared_experts", "moe_statics", "shared_expert_gate"}
+
+# Why a tensor got its key (`colifs route`, stats.json).
+BY_NAME = "by name"
+EXPERT_NAME = "expert, by its name"
+FUSED_CONFIG = "fused experts, cut by the config's count"
+FUSED_SHAPE = "fused experts, cut by shape (no config)"
+DISAGREED = "fused-expert name, shape disagrees with the config: by name"
+UNEVEN = "fused-expert name, leading dimensions differ in its layer (no config): by name"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +80,8 @@ class Layout:
     size: int
     starts: tuple[int, ...]
     keys: tuple[Key, ...]
+    keying: tuple[tuple[str, int], ...] = ()  # (why, tensors) for each way a tensor got its key
+    disagreed: tuple[str, ...] = ()  # fused-expert names whose shape disagrees with the config
 
     def extents(self) -> Iterator[tuple[int, int, Key]]:
         """(start, end, key) of every extent, in file order."""
@@ -164,46 +179,82 @@ def tensor_key(name: str) -> Key:
     return name
 
 
-def _fused_experts(name: str, shape: list[int], nbytes: int) -> tuple[str, int, int] | None:
-    """(stack, layer, n_experts) when `name` is a fused expert tensor [E, ...] cut evenly."""
-    if len(shape) < 2 or shape[0] < 2 or nbytes % shape[0]:
-        return None
-    m = _FUSED.match(name)
-    if not m:
-        return None
-    return m["stack"], int(m["layer"]), shape[0]
+def never_expert(name: str) -> bool:
+    """Routers, gates, shared experts and norms are never experts."""
+    return any(c in _NOT_EXPERT or "norm" in c for c in name.split("."))
 
 
-def parse_header(header: bytes, file_size: int) -> Layout:
-    """Build the Layout from the first 8+N bytes of a file of `file_size` bytes.
+def fused_cuts(
+    entries: list[tuple[str, list[int], int]], experts: int | None
+) -> tuple[dict[str, tuple[str, int, int, str]], dict[str, str]]:
+    """Which tensors of a file (name, shape, bytes) are fused experts, and how to cut them.
+
+    Returns ({name: (stack, layer, slices, why)}, {name: why it is keyed by name}). With the
+    config's count E, a fused-expert name is cut into E slices when dimension 0 is E (or E × rows
+    for a row-fused layout); otherwise its shape disagrees and it is keyed by name. Without a
+    config, dimension 0 is the count, but only when all fused tensors of that layer agree on it.
+    """
+    found: dict[str, tuple[str, int, int, int]] = {}  # name → stack, layer, dim 0, bytes
+    for name, shape, nbytes in entries:
+        m = _FUSED.match(name)
+        if m and len(shape) >= 2 and not never_expert(name) and not isinstance(tensor_key(name), ExpertKey):
+            found[name] = (m["stack"], int(m["layer"]), shape[0], nbytes)
+    cuts: dict[str, tuple[str, int, int, str]] = {}
+    by_name: dict[str, str] = {}
+    if experts is not None:
+        for name, (stack, layer, dim0, nbytes) in found.items():
+            fits = dim0 == experts or (_ROW_FUSED.search(name) is not None and dim0 % experts == 0)
+            if fits and experts >= 2 and nbytes % experts == 0:
+                cuts[name] = (stack, layer, experts, FUSED_CONFIG)
+            else:
+                by_name[name] = DISAGREED
+        return cuts, by_name
+    dims: dict[tuple[str, int], set[int]] = {}
+    for stack, layer, dim0, _ in found.values():
+        dims.setdefault((stack, layer), set()).add(dim0)
+    for name, (stack, layer, dim0, nbytes) in found.items():
+        if _ROW_FUSED.search(name) or len(dims[stack, layer]) > 1:
+            by_name[name] = UNEVEN if len(dims[stack, layer]) > 1 else BY_NAME
+        elif dim0 >= 2 and nbytes % dim0 == 0:
+            cuts[name] = (stack, layer, dim0, FUSED_SHAPE)
+    return cuts, by_name
+
+
+def parse_header(header: bytes, file_size: int, experts: int | None = None) -> Layout:
+    """Build the Layout from the first 8+N bytes of a file of `file_size` bytes; `experts` is the
+    routed-expert count the model's config states (None: no config says).
 
     Raises LayoutError for anything safetensors itself would refuse, plus trailing bytes.
     """
     data_start, entries = _entries(header, file_size)
+    cuts, by_name = fused_cuts([(name, shape, end - begin) for begin, end, name, shape in entries], experts)
     starts: list[int] = []
     keys: list[Key] = []
+    why: dict[str, int] = {}
     pos = 0
-    for begin, end, name, shape in entries:
+    for begin, end, name, _ in entries:
         if begin != pos:
             what = "overlaps the previous one" if begin < pos else f"leaves a gap at {pos}"
             raise LayoutError(f"tensor {name!r} at data offset {begin} {what}")
         key = tensor_key(name)
-        fused = None if isinstance(key, ExpertKey) else _fused_experts(name, shape, end - begin)
-        if fused:
-            stack, layer, n_exp = fused
+        if name in cuts:
+            stack, layer, n_exp, reason = cuts[name]
             step = (end - begin) // n_exp
             for e in range(n_exp):
                 starts.append(data_start + begin + e * step)
                 keys.append(ExpertKey(stack, layer, e))
         else:
+            reason = EXPERT_NAME if isinstance(key, ExpertKey) else by_name.get(name, BY_NAME)
             starts.append(data_start + begin)
             keys.append(key)
+        why[reason] = why.get(reason, 0) + 1
         pos = end
     if data_start + pos != file_size:
         if data_start + pos > file_size:
             raise LayoutError(f"tensor data ends at {data_start + pos}, past the end ({file_size})")
         raise LayoutError(f"{file_size - data_start - pos} trailing bytes after the last tensor")
-    return Layout(data_start, file_size, tuple(starts), tuple(keys))
+    disagreed = tuple(n for n, r in by_name.items() if r == DISAGREED)
+    return Layout(data_start, file_size, tuple(starts), tuple(keys), tuple(sorted(why.items())), disagreed)
 
 
 def tensor_spans(header: bytes, file_size: int) -> list[tuple[int, int, str]]:

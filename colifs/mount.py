@@ -27,6 +27,7 @@ from colifs.errors import MountError, QuietError
 from colifs.formats import format_of
 from colifs.fs import ColiFS
 from colifs.kernel import Knobs, MountEntry, mount_at, mount_type, tune
+from colifs.moe import Configs
 from colifs.namespace import STATS_INO, Namespace
 from colifs.native import NativeCounters, NativeEngine, key_table
 from colifs.probe import ProbeResult, probe, table, weights_from
@@ -153,10 +154,12 @@ def check_paths(cfg: MountConfig) -> tuple[list[Replica], str]:
 def build_files(tree: Tree, replicas: list[Replica]) -> dict[int, ServedFile]:
     """Every regular file of the tree; model files (safetensors, GGUF) validated and routed."""
     files: dict[int, ServedFile] = {}
+    configs = Configs(tree.root)
     for node in tree.files():
         fmt = format_of(node.relpath)
         if fmt is not None:
-            files[node.ino] = validate(os.path.join(tree.root, node.relpath), node.relpath, replicas, fmt)
+            path = os.path.join(tree.root, node.relpath)
+            files[node.ino] = validate(path, node.relpath, replicas, fmt, configs.experts_for(node.relpath))
         else:
             files[node.ino] = ServedFile(node.relpath, node.st.st_size)
     _vouch(files, tree, replicas)

@@ -199,4 +199,5 @@ class Namespace:
             "drive": self.stats.names()[drive],
             "path": self.replicas[drive].root,
             "valid_copies": [self.replicas[i].root for i in f.replicas],
+            "tensors_keyed": dict(f.layout.keying) if f.layout is not None else {},
         }

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from colifs.errors import UsageError
 from colifs.formats import format_of
 from colifs.layout import Layout, LayoutError
+from colifs.moe import Configs
 from colifs.replicas import mirror_problem
 from colifs.tree import Tree
 from colifs.usage import (
@@ -73,13 +74,14 @@ class Shard:
 def survey(primary: str, mirror: str) -> list[Shard]:
     """Every model file of the primary, with its layout and the state of its copy on the mirror."""
     shards = []
+    configs = Configs(primary)
     for node in Tree(primary).files():
         fmt = format_of(node.relpath)
         if fmt is None:
             continue
         path = os.path.join(primary, node.relpath)
         try:
-            size, header, layout = fmt.read(path)
+            size, header, layout = fmt.read(path, configs.experts_for(node.relpath))
         except (LayoutError, OSError):
             shards.append(Shard(node.relpath, node.st.st_size, None, "primary header unreadable"))
             continue

@@ -93,10 +93,13 @@ def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | No
     return (None, ident) if ident == identity(st) else ("changed while it was checked", None)
 
 
-def validate(path: str, relpath: str, replicas: list[Replica], fmt: Format) -> ServedFile:
-    """Parse the primary copy's header and check every mirror; one warning per problem."""
+def validate(
+    path: str, relpath: str, replicas: list[Replica], fmt: Format, experts: int | None = None
+) -> ServedFile:
+    """Parse the primary copy's header (fused experts cut by the config's count `experts`) and
+    check every mirror; one warning per problem."""
     try:
-        size, header, layout = fmt.read(path)
+        size, header, layout = fmt.read(path, experts)
     except (LayoutError, OSError) as e:
         problem = (
             f"cannot read its header ({e.strerror})" if isinstance(e, OSError) else f"malformed header: {e}"
@@ -104,6 +107,13 @@ def validate(path: str, relpath: str, replicas: list[Replica], fmt: Format) -> S
         note = f"{problem}; served from the primary as plain bytes"
         log.warning("%s: %s", relpath, note)
         return ServedFile(relpath, _size_or_zero(path), note=note)
+    if layout.disagreed:
+        count = f"config's {experts}" if experts is not None else "metadata's"
+        log.warning(
+            "%s: %d fused-expert tensors have a shape that disagrees with the %s expert count "
+            "(first: %s); keyed by name, without per-expert routing",
+            relpath, len(layout.disagreed), count, layout.disagreed[0],
+        )  # fmt: skip
     valid = [0]
     notes = []
     idents: dict[int, Identity] = {}

@@ -181,6 +181,7 @@ class Stats:
                     "replicas": [self.replicas[i].root for i in f.replicas],
                     "vouched_by_receipt": [self.replicas[i].root for i in f.vouched if i in f.replicas],
                     "note": f.note,
+                    "tensors_keyed": dict(f.layout.keying) if f.layout is not None else {},
                 }
                 for f in files
                 if f.is_model

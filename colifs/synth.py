@@ -119,6 +119,16 @@ def _granite(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
         yield f"{p}.block_sparse_moe.output_linear.weight", "float16", (experts, h, i)
 
 
+@family("dbrx")  # row-fused experts [E·I, H]: only the config's expert count can cut them
+def _dbrx(layers: int, experts: int, h: int, i: int) -> Iterator[Tensor]:
+    for L in range(layers):
+        p = f"transformer.blocks.{L}"
+        yield f"{p}.norm_attn_norm.attn.Wqkv.weight", "float16", (3 * h, h)
+        yield f"{p}.ffn.router.layer.weight", "float16", (experts, h)
+        for w in ("w1", "v1", "w2"):
+            yield f"{p}.ffn.experts.mlp.{w}", "float16", (experts * i, h)
+
+
 def write_checkpoint(
     out: str,
     family: str = "deepseek",

@@ -138,28 +138,23 @@ class Fuzzer:
             return f.read(n)
 
     def read(self) -> None:
-        rel = self.rng.choice(self.files)
-        size = (self.primary / rel).stat().st_size
-        off, n = self.extent(size)
-        fd = os.open(self.mnt / rel, os.O_RDONLY)
-        try:
-            got = os.pread(fd, n, off)
-        finally:
-            os.close(fd)
-        assert got == self.want(rel, off, n), f"{rel} [{off}, +{n}): bytes differ from the primary"
+        self._pread(0, 1)
 
     def read_direct(self) -> None:
+        self._pread(os.O_DIRECT, self.rng.choice([1, 512, 4096]))
+
+    def _pread(self, flags: int, align: int) -> None:
+        """A pread (into a page-aligned buffer, as O_DIRECT needs) compared with the primary's."""
         rel = self.rng.choice(self.files)
-        size = (self.primary / rel).stat().st_size
-        off, n = self.extent(size, align=self.rng.choice([1, 512, 4096]))
+        off, n = self.extent((self.primary / rel).stat().st_size, align)
         n = min(n, 8 << 20)
-        fd = os.open(self.mnt / rel, os.O_RDONLY | os.O_DIRECT)
+        fd = os.open(self.mnt / rel, os.O_RDONLY | flags)
         try:
             buf = mmap.mmap(-1, max(n, 4096))
             got = bytes(buf[: os.preadv(fd, [memoryview(buf)[:n]], off)])
         finally:
             os.close(fd)
-        assert got == self.want(rel, off, n), f"{rel} O_DIRECT [{off}, +{n}): bytes differ from the primary"
+        assert got == self.want(rel, off, n), f"{rel} flags {flags:#o} [{off}, +{n}): not the primary bytes"
 
     def read_mmap(self) -> None:
         rel = self.rng.choice(self.files)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from colifs.gguf import parse_gguf, read_gguf_header
-from colifs.layout import ExpertKey, LayoutError
+from colifs.layout import DISAGREED, FUSED_CONFIG, ExpertKey, LayoutError
 from colifs.synth import GGUF_ARCHS, write_gguf
 
 
@@ -87,6 +87,19 @@ def test_hand_built_file_parses() -> None:
     lay = parse_gguf(blob, len(blob))
     assert lay.keys == (ExpertKey("blk", 0, 0), ExpertKey("blk", 0, 1))
     assert lay.starts == (lay.data_start, lay.data_start + 512)
+
+
+def test_the_metadata_expert_count_decides() -> None:
+    count = s("qwen3moe.expert_count") + struct.pack("<II", 4, 2)
+    blob = build(GOOD, 1024, kvs=count, n_kv=1)
+    lay = parse_gguf(blob, len(blob))
+    assert lay.keys == (ExpertKey("blk", 0, 0), ExpertKey("blk", 0, 1))
+    assert dict(lay.keying) == {FUSED_CONFIG: 1}
+    count = s("qwen3moe.expert_count") + struct.pack("<II", 4, 8)  # the tensor holds 2
+    blob = build(GOOD, 1024, kvs=count, n_kv=1)
+    lay = parse_gguf(blob, len(blob))
+    assert lay.keys == ("blk.0.ffn_down_exps.weight",) and lay.disagreed == ("blk.0.ffn_down_exps.weight",)
+    assert dict(lay.keying) == {DISAGREED: 1}
 
 
 BAD = {

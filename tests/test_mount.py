@@ -212,6 +212,7 @@ def test_partial_and_divergent_mirror_files_are_served_from_the_primary(tmp_path
             "replicas": [str(primary), str(mirror)],
             "vouched_by_receipt": [],
             "note": "",
+            "tensors_keyed": {"by name": 9, "expert, by its name": 48},
         }
         for name, reason in ((s1, "missing"), (s2, "header differs"), (s3, "size differs")):
             assert st["files"][name]["replicas"] == [str(primary)]
