@@ -24,7 +24,7 @@ setup(
     ext_modules=[
         Extension(
             "colifs._native",
-            sources=["native/module.c", "native/fs.c", "native/drives.c"],
+            sources=["native/module.c", "native/fs.c", "native/drives.c", "native/prefetch.c"],
             depends=["native/engine.h"],
             extra_compile_args=[*pkg_config("--cflags"), "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit"],
             extra_link_args=pkg_config("--libs"),

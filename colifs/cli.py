@@ -83,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
         "weights' ratio, so even one reader uses every drive; expert: each expert from one drive",
     )
     m.add_argument(
+        "--prefetch",
+        choices=["expert", "off"],
+        default="off",
+        help="expert: a page-cache reader's (mmap, buffered) first touch of a routed expert reads the "
+        "rest of it too, from all drives at once, into the page cache (native engine; at most "
+        "64 MiB per expert, never past its end); off (default): the kernel's readahead only",
+    )
+    m.add_argument(
         "--engine",
         choices=ENGINES,
         default=os.environ.get(ENGINE_ENV, ENGINES[0]),
@@ -363,6 +371,7 @@ def _config(args: argparse.Namespace):  # -> MountConfig (import kept lazy: pyfu
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
         routing=args.routing,
+        prefetch=args.prefetch,
         engine=args.engine,
         fuse_threads=args.fuse_threads,
         knobs=knobs,

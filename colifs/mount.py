@@ -54,6 +54,7 @@ DEFAULT_MAX_BACKGROUND = 256
 # coroutine, cheap); with too few, one slow drive's backlog would hold them all and starve the
 # other drives (head-of-line blocking). The per-drive thread count bounds the real I/O.
 MAX_TASKS = 1024
+PREFETCH_MAX = 64 << 20  # bytes one expert's first page-cache read may read ahead (--prefetch expert)
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 BUSY_RETRY = 0.5  # s between unmount attempts after a stop signal while the mount is in use
 BUSY_WARN_INTERVAL = 60.0  # s between the warnings naming who still uses it
@@ -70,6 +71,7 @@ class MountConfig:
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
+    prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
     engine: str = "native"  # or "pyfuse3": the portable reference engine
     fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
     knobs: Knobs = field(
@@ -360,6 +362,10 @@ def _serve_pyfuse3(
     io: BackingIO | None,
 ) -> None:
     """The portable reference engine: pyfuse3, every request a task on one trio thread."""
+    if cfg.prefetch != "off":
+        log.warning(
+            "--prefetch %s needs the native engine; the pyfuse3 engine does not prefetch", cfg.prefetch
+        )
     workers = [
         DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
         for r in stats.replicas
@@ -423,6 +429,7 @@ def _serve_native(
         fuse_threads=cfg.fuse_threads,
         drive_threads=cfg.threads_per_drive,
         mirror_timeout=cfg.mirror_timeout,
+        prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
     )
     stats.in_flight = counters.in_flight
     tasks = [engine.watch]

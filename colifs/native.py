@@ -38,6 +38,23 @@ log = logging.getLogger("colifs")
 
 MAX_REPLICAS = _native.MAX_REPLICAS
 WATCH_TICK = 0.2  # s between looks at the down mirrors (their back-off is 1 s or more)
+MEMORY_LOW, MEMORY_OK = 0.10, 0.15  # shares of the RAM available: prefetch paused below, back above
+
+
+def prefetch_paused(paused: bool, share: float) -> bool:
+    """Whether the prefetch should be paused, `share` of the RAM being available (hysteresis)."""
+    return share < MEMORY_OK if paused else share < MEMORY_LOW
+
+
+def memory_available() -> float | None:
+    """The share of the RAM available (MemAvailable / MemTotal), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        return int(info["MemAvailable"].split()[0]) / int(info["MemTotal"].split()[0])
+    except (OSError, KeyError, ValueError, ZeroDivisionError):
+        return None
+
 
 _KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
 
@@ -46,7 +63,8 @@ class NativeCounters:
     """The counters the native engine writes, in memory Python owns (an anonymous mmap).
 
     Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy, mirror
-    successes; fallbacks; per key and drive routed bytes; per key reads; per file bytes, reads.
+    successes; fallbacks; prefetch (bytes stored ahead, prefetches, bytes asked again soon after);
+    per key and drive routed bytes; per key reads; per file bytes, reads.
     """
 
     def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
@@ -54,14 +72,14 @@ class NativeCounters:
         self.keys = list(keys)
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 5 + [1, nk * nrep, nk, nf, nf]
+        sizes = [nrep] * 5 + [1, 3, nk * nrep, nk, nf, nf]
         self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
         for n in sizes:
             views.append(words[at : at + n])
             at += n
-        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._fallbacks,
+        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._fallbacks, self._prefetch,
          self._key_bytes, self._key_reads, self._file_bytes, self._file_reads) = views  # fmt: skip
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
         self._taken_keys = [0] * (2 * nk)
@@ -88,6 +106,11 @@ class NativeCounters:
     @property
     def fallbacks(self) -> int:
         return self._fallbacks[0]
+
+    @property
+    def prefetch(self) -> dict[str, int]:
+        stored, count, again = self._prefetch.tolist()
+        return {"bytes_stored_ahead": stored, "prefetches": count, "bytes_asked_again_soon_after": again}
 
     @property
     def layers(self) -> dict[str, list[int]]:
@@ -165,6 +188,7 @@ class NativeEngine:
         fuse_threads: int,
         drive_threads: int,
         mirror_timeout: float | None,
+        prefetch_max: int = 0,
     ) -> None:
         self.replicas: list[Replica] = stats.replicas
         if len(self.replicas) > MAX_REPLICAS:
@@ -177,6 +201,8 @@ class NativeEngine:
         self.striping = striping
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
+        self.prefetching = prefetch_max > 0
+        self._prefetch_paused = False
         self._warn = WarnOnce()
         self._seen_ok = [0] * len(self.replicas)
         self._thread: threading.Thread | None = None
@@ -201,6 +227,8 @@ class NativeEngine:
             xattr=self._xattr,
             listxattr=self._listxattr,
             event=self._event,
+            prefetch_max=prefetch_max,
+            expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
         )
 
     # -- tables ------------------------------------------------------------------------------
@@ -337,13 +365,27 @@ class NativeEngine:
     # -- health: check reads on down mirrors -------------------------------------------------
 
     async def watch(self) -> None:
-        """Runs for the life of the mount: checks each down mirror once its back-off is over."""
+        """Runs for the life of the mount: checks each down mirror once its back-off is over, and
+        pauses the prefetch while memory is short."""
         while True:
             for d in range(1, len(self.replicas)):
                 h = self.health[d]
                 if h.due():
                     await self._check(d, h)
+            if self.prefetching:
+                self._mind_memory()
             await trio.sleep(WATCH_TICK)
+
+    def _mind_memory(self) -> None:
+        """Prefetched pages are page cache like any other, but nobody asked for them yet: none while
+        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK)."""
+        share = memory_available()
+        if share is None or prefetch_paused(self._prefetch_paused, share) == self._prefetch_paused:
+            return
+        self._prefetch_paused = not self._prefetch_paused
+        self.engine.set_prefetch(not self._prefetch_paused)
+        state = "paused" if self._prefetch_paused else "resumed"
+        log.warning("prefetch %s: %.0f%% of the memory is available", state, 100 * share)
 
     async def _check(self, drive: int, h: Health) -> None:
         h.checks += 1

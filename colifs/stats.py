@@ -35,6 +35,9 @@ class DriveCounters(Protocol):
     @property
     def layers(self) -> dict[str, list[int]]: ...
 
+    @property
+    def prefetch(self) -> dict[str, int]: ...
+
     def failed(self, drive: int) -> None: ...
 
 
@@ -48,6 +51,7 @@ class Counters:
         self.fallbacks = 0
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
+        self.prefetch: dict[str, int] = {}  # the pyfuse3 engine does not prefetch
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -154,6 +158,7 @@ class Stats:
             "weights_source": self.weights_source,
             "routing": self.routing,
             "engine": self.engine,
+            "prefetch": self.counters.prefetch,
             "kernel": self.kernel,
             "probe": self.probe,
             "replicas": [

@@ -304,6 +304,9 @@ static void submit(engine_t *e, job_t *j) {
 }
 
 int drives_start(engine_t *e) {
+    int perr = prefetch_start(e);
+    if (perr)
+        return perr;
     for (int d = 1; d < e->nrep; d++) {
         drive_t *dr = &e->drives[d];
         dr->e = e;
@@ -325,6 +328,7 @@ int drives_start(engine_t *e) {
 /* Stop the drive threads once their queues are empty. A thread stuck in a read on a hung drive is
  * detached instead of waited for: it must not hang the unmount (it owns nothing shared). */
 void drives_stop(engine_t *e) {
+    prefetch_stop(e);
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
     deadline.tv_sec += 5;
@@ -355,7 +359,7 @@ static uint32_t usable(engine_t *e, file_t *f) {
     return m | 1u;
 }
 
-static uint32_t segment_at(const file_t *f, uint64_t off) {
+uint32_t segment_at(const file_t *f, uint64_t off) {
     uint32_t lo = 0, hi = f->nseg; /* last segment starting at or before off */
     while (hi - lo > 1) {
         uint32_t mid = lo + (hi - lo) / 2;
@@ -533,17 +537,20 @@ static int read_primary(engine_t *e, file_t *f, char *dst, const run_t *run, res
     return err;
 }
 
-void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offset) {
+void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t size, off_t offset, int cached) {
     uint64_t off = (uint64_t)offset;
-    uint64_t end = off + size < f->size ? off + size : f->size;
-    if (off >= end) {
+    uint64_t asked = off + size < f->size ? off + size : f->size;
+    if (off >= asked) {
         fuse_reply_buf(req, NULL, 0);
         return;
     }
     size_t fi = (size_t)(f - e->files);
-    atomic_fetch_add(&e->ctr.file_bytes[fi], end - off);
+    atomic_fetch_add(&e->ctr.file_bytes[fi], asked - off);
     atomic_fetch_add(&e->ctr.file_reads[fi], 1);
-    uint64_t start = off & ~(uint64_t)(BLOCK - 1);
+    /* A page-cache reader's first touch of an expert reads all of it (prefetch.c). */
+    uint64_t from = off, end = asked;
+    int ahead = cached && prefetch_range(e, f, off, asked, &from, &end);
+    uint64_t start = from & ~(uint64_t)(BLOCK - 1);
     uint64_t stop = (end + BLOCK - 1) & ~(uint64_t)(BLOCK - 1);
     size_t len = stop - start, cap = len / BLOCK + 2;
     run_t runs_small[REQ_BUF / BLOCK + 2];
@@ -561,7 +568,7 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
         goto out;
     }
     uint32_t col = (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1);
-    size_t n = plan(e, f, col, start, end, stop, off, runs);
+    size_t n = plan(e, f, col, start, end, stop, from, runs);
     size_t nm = 0;
     for (size_t r = 0; r < n; r++)
         nm += runs[r].drive != 0;
@@ -635,7 +642,7 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
         if (!d)
             continue;
         if (res[r].status == RES_OK) {
-            atomic_fetch_add(&e->ctr.drive_bytes[d], overlap(runs[r].start, runs[r].end, off, end));
+            atomic_fetch_add(&e->ctr.drive_bytes[d], overlap(runs[r].start, runs[r].end, from, end));
             atomic_fetch_add(&e->ctr.drive_reads[d], 1);
             atomic_fetch_add(&e->ctr.drive_ok[d], 1);
             continue;
@@ -674,7 +681,7 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     for (size_t r = 0; r < n; r++) {
         if (runs[r].drive == 0) {
             atomic_fetch_add(&e->ctr.drive_bytes[0],
-                             overlap(runs[r].start, runs[r].start + (uint64_t)res[r].got, off, end));
+                             overlap(runs[r].start, runs[r].start + (uint64_t)res[r].got, from, end));
             atomic_fetch_add(&e->ctr.drive_reads[0], 1);
         }
         valid += (uint64_t)res[r].got;
@@ -683,10 +690,16 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     }
     if (valid > end)
         valid = end;
-    fuse_reply_buf(req, valid > off ? buf + (off - start) : NULL, valid > off ? valid - off : 0);
+    if (ahead)
+        prefetch_store(e, ino, f, buf, start, off, asked, valid, from, end);
+    uint64_t reply_end = valid < asked ? valid : asked;
+    fuse_reply_buf(req, reply_end > off ? buf + (off - start) : NULL, reply_end > off ? reply_end - off : 0);
 out:
-    if (err)
+    if (err) {
         fuse_reply_err(req, err);
+        if (ahead)
+            prefetch_store(e, ino, f, buf, start, off, asked, from, from, end); /* nothing to store */
+    }
     for (size_t i = 0; i < nnotes; i++)
         e->event(e->py, notes[i].kind, notes[i].drive, (int32_t)fi, notes[i].what, notes[i].timed_out,
                  atomic_load(&e->ctr.drive_ok[notes[i].drive]));

@@ -8,7 +8,8 @@
  * and keeps shared counters that Python reads.
  *
  * Files: fs.c (the FUSE handlers), drives.c (per-drive threads and the read fan-out),
- * module.c (the Python type that builds the tables and runs the loop).
+ * prefetch.c (expert-aware read-ahead into the page cache), module.c (the Python type that
+ * builds the tables and runs the loop).
  */
 #ifndef COLIFS_ENGINE_H
 #define COLIFS_ENGINE_H
@@ -104,6 +105,8 @@ typedef struct {
     _Atomic uint64_t *key_reads;          /* nkeys */
     _Atomic uint64_t *file_bytes, *file_reads; /* nfiles */
     _Atomic uint64_t *drive_ok;           /* successful mirror reads: health needs "in a row" */
+    _Atomic uint64_t *prefetch;           /* [0] bytes stored ahead, [1] prefetches, [2] bytes asked
+                                             again soon after their key's prefetch */
 } counters_t;
 
 typedef struct engine {
@@ -114,6 +117,10 @@ typedef struct engine {
     int fuse_threads, drive_threads;
     _Atomic uint32_t up;       /* drives in the routing (bit d); the primary's bit is always set */
     _Atomic uint32_t no_direct_warned;
+    uint64_t prefetch_max;     /* bytes an expert's first page-cache read may read ahead; 0: off */
+    _Atomic int prefetch_paused; /* by Python, while memory is short */
+    uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys prefetch works on) */
+    _Atomic uint64_t *key_prefetched; /* nkeys: monotonic ns of the key's last prefetch */
 
     node_t *nodes;             /* sorted by ino */
     size_t nnodes;
@@ -131,6 +138,15 @@ typedef struct engine {
     pthread_t loop_thread;
     _Atomic int looping;
 
+    /* prefetch.c: stores into the page cache, on a thread of their own */
+    pthread_mutex_t store_m;
+    pthread_cond_t store_c;
+    struct store_job *store_head, *store_tail;
+    int store_stop, store_started;
+    pthread_t store_thread;
+    _Atomic uint64_t store_inflight;
+    _Atomic int inline_stores;
+
     /* Calls into Python: rare requests (control files, xattrs) and events. Set by module.c. */
     void *py;
     int (*control)(void *py, uint64_t ino, char **data, size_t *len);
@@ -147,9 +163,17 @@ node_t *engine_node(engine_t *e, uint64_t ino);
 /* drives.c */
 int drives_start(engine_t *e);
 void drives_stop(engine_t *e);
-void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off);
+void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t size, off_t off, int cached);
 int file_open(engine_t *e, file_t *f);
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
+uint32_t segment_at(const file_t *f, uint64_t off); /* the run-table segment holding off */
+
+/* prefetch.c */
+int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_t *from, uint64_t *to);
+void prefetch_store(engine_t *e, uint64_t ino, file_t *f, const char *data, uint64_t start, uint64_t off,
+                    uint64_t asked, uint64_t got_end, uint64_t from, uint64_t to);
+int prefetch_start(engine_t *e);
+void prefetch_stop(engine_t *e);
 
 #endif

@@ -285,7 +285,7 @@ static int load_files(engine_t *e, PyObject *files) {
 /* The counters live in memory Python owns, laid out as colifs.native.counter_layout() says. */
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t r = (size_t)e->nrep;
-    size_t words = 5 * r + 1 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 5 * r + 1 + 3 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -298,6 +298,7 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     e->ctr.drive_busy = p, p += r;
     e->ctr.drive_ok = p, p += r;
     e->ctr.fallbacks = p, p += 1;
+    e->ctr.prefetch = p, p += 3;
     e->ctr.key_bytes = p, p += e->nkeys * r;
     e->ctr.key_reads = p, p += e->nkeys;
     e->ctr.file_bytes = p, p += e->nfiles;
@@ -310,20 +311,42 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
-                            "xattr", "listxattr", "event", NULL};
+                            "xattr", "listxattr", "event", "prefetch_max", "expert_keys", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters;
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
+    unsigned long long prefetch_max = 0;
+    Py_buffer experts = {0};
     if (self->e.nrep) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOO", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOO|Ky*", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
-                                     &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event))
+                                     &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event,
+                                     &prefetch_max, &experts))
         return -1;
+    int bad_experts = experts.buf && experts.len != nkeys;
+    engine_t *pe = &self->e;
+    if (!bad_experts && nkeys > 0) {
+        pe->key_expert = calloc((size_t)nkeys, 1);
+        pe->key_prefetched = calloc((size_t)nkeys, sizeof *pe->key_prefetched);
+        if (pe->key_expert && experts.buf)
+            memcpy(pe->key_expert, experts.buf, (size_t)nkeys);
+    }
+    if (experts.buf)
+        PyBuffer_Release(&experts);
+    if (bad_experts) {
+        PyErr_SetString(PyExc_ValueError, "expert_keys: one byte per key expected");
+        return -1;
+    }
+    if (nkeys > 0 && (!pe->key_expert || !pe->key_prefetched)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    pe->prefetch_max = nkeys > 0 ? (uint64_t)prefetch_max : 0;
     Py_INCREF(self->control);
     Py_INCREF(self->xattr);
     Py_INCREF(self->listxattr);
@@ -467,6 +490,14 @@ static PyObject *Engine_set_up(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_set_prefetch(EngineObject *self, PyObject *args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on))
+        return NULL;
+    atomic_store(&self->e.prefetch_paused, !on);
+    Py_RETURN_NONE;
+}
+
 /* Unmount (lazily: the kernel detaches it now and lets open files drain) and free the session.
  * Call once the loop has returned. */
 static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
@@ -508,6 +539,8 @@ static void Engine_dealloc(EngineObject *self) {
         free(e->files);
         free(e->nodes);
         free(e->children);
+        free(e->key_expert);
+        free(e->key_prefetched);
         if (self->have_counters)
             PyBuffer_Release(&self->counters);
         for (int d = 0; d < e->nrep; d++)
@@ -526,6 +559,8 @@ static PyMethodDef Engine_methods[] = {
     {"loop", (PyCFunction)Engine_loop, METH_NOARGS, "Serve until unmounted or stopped (releases the GIL)."},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Make loop() return (from any thread)."},
     {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
+    {"set_prefetch", (PyCFunction)Engine_set_prefetch, METH_VARARGS,
+     "set_prefetch(on): resume or pause the expert prefetch (memory is short)."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},
     {NULL, NULL, 0, NULL},
 };

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from colifs.health import FAILURES_TO_DOWN, FIRST_RETRY_S, MAX_RETRY_S, Health
 
 
@@ -58,3 +60,15 @@ def test_as_dict_says_state_and_why() -> None:
     assert d["state"] == "down" and d["last_error"] == "read error at 4096: Input/output error"
     assert d["down_for_s"] == 0.2 or d["down_for_s"] == 0.3
     assert d["next_check_in_s"] == 0.8 and d["errors"] == FAILURES_TO_DOWN and d["last_error_at"]
+
+
+@pytest.mark.parametrize(
+    ("paused", "share", "after"),
+    [(False, 0.5, False), (False, 0.09, True), (True, 0.12, True), (True, 0.16, False), (False, 0.12, False)],
+)
+def test_prefetch_pauses_while_memory_is_short(paused: bool, share: float, after: bool) -> None:
+    from colifs.native import memory_available, prefetch_paused
+
+    assert prefetch_paused(paused, share) is after
+    now = memory_available()
+    assert now is not None and 0 < now <= 1

@@ -1,0 +1,93 @@
+"""Expert prefetch (--prefetch expert, native engine): a page-cache reader's first touch of a
+routed expert reads the whole expert, from both drives, into the page cache; nothing past it."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from colifs.formats import format_of
+from colifs.layout import ExpertKey
+from colifs.synth import write_checkpoint
+from tests.conftest import drop_file_cache, mounted
+
+pytestmark = pytest.mark.mounts
+
+PAGE = mmap.PAGESIZE
+
+
+def expert_span(path: Path, key: ExpertKey) -> tuple[int, int]:
+    fmt = format_of(path.name)
+    assert fmt is not None
+    spans = [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
+    return spans[0][0], spans[-1][1]
+
+
+def drive_reads(m) -> tuple[int, int]:
+    st = m.stats()
+    return sum(r["reads"] for r in st["replicas"]), sum(r["bytes_served"] for r in st["replicas"])
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> tuple[Path, Path, Path]:
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "mixtral", layers=2, experts=4, hidden=1024, inter=512, shards=1)
+    shutil.copytree(primary, mirror)
+    return primary, mirror, next(primary.glob("*.safetensors"))
+
+
+def test_a_fault_inside_an_expert_brings_in_the_whole_expert(checkpoint, tmp_path: Path, engine: str) -> None:
+    primary, mirror, shard = checkpoint
+    a, b = expert_span(shard, ExpertKey("model.layers", 1, 2))  # 3 MiB, 3 tensors
+    want = shard.read_bytes()
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--prefetch", "expert") as m:
+        if engine == "pyfuse3":
+            assert "--prefetch expert needs the native engine" in m.stderr
+            assert m.stats()["prefetch"] == {}
+            return
+        via = m.path / shard.name
+        drop_file_cache(via)
+        reads0, bytes0 = drive_reads(m)
+        with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            middle = (a + b) // 2 // PAGE * PAGE
+            assert mm[middle : middle + 1] == want[middle : middle + 1]  # one fault, mid-expert
+            st = m.stats()
+            assert st["prefetch"]["prefetches"] == 1
+            reads1, bytes1 = drive_reads(m)
+            # The rest of the expert came with it: touching every page of it reaches no drive (the
+            # pages it shares with its neighbours at its two ends are theirs as much as its own).
+            inner_a, inner_b = -(-a // PAGE) * PAGE, b // PAGE * PAGE
+            assert mm[inner_a:inner_b] == want[inner_a:inner_b]
+            assert drive_reads(m)[0] == reads1
+            stored = st["prefetch"]["bytes_stored_ahead"]
+            assert b - a - 2 * PAGE - (128 << 10) <= stored <= b - a
+            assert bytes1 - bytes0 <= (b - a) + (256 << 10)  # never far past the expert's ends
+            assert {r["bytes_served"] > 0 for r in st["replicas"]} == {True}  # from both drives
+            # Every byte of the file is still the primary's, prefetched or not.
+            assert mm[:] == want
+        assert reads1 > reads0
+
+
+def test_o_direct_readers_never_prefetch(checkpoint, tmp_path: Path, engine: str) -> None:
+    primary, mirror, shard = checkpoint
+    a, b = expert_span(shard, ExpertKey("model.layers", 0, 1))
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--prefetch", "expert") as m:
+        fd = os.open(m.path / shard.name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = mmap.mmap(-1, 1 << 20)
+            os.preadv(fd, [buf], (a + b) // 2 // PAGE * PAGE)
+        finally:
+            os.close(fd)
+        assert m.stats()["prefetch"].get("prefetches", 0) == 0
+
+
+def test_prefetch_is_off_by_default(checkpoint, tmp_path: Path, engine: str) -> None:
+    primary, mirror, shard = checkpoint
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        drop_file_cache(m.path / shard.name)
+        assert (m.path / shard.name).read_bytes() == shard.read_bytes()
+        assert m.stats()["prefetch"].get("prefetches", 0) == 0
