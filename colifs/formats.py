@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from colifs.gguf import gguf_tensor_spans, read_gguf_header
-from colifs.layout import Layout, LayoutError, header_length, parse_header, tensor_spans
+from colifs.layout import ExpertConfig, Layout, LayoutError, header_length, parse_header, tensor_spans
 
 Header = tuple[int, bytes, Layout]  # file size, header bytes, layout
 
@@ -27,8 +27,8 @@ def _pread_all(fd: int, n: int, off: int) -> bytes:
     return out
 
 
-def read_safetensors(fd: int, size: int, experts: int | None) -> tuple[bytes, Layout]:
-    """The 8-byte length + JSON, and its layout (`experts`: the count config.json states)."""
+def read_safetensors(fd: int, size: int, experts: ExpertConfig | None) -> tuple[bytes, Layout]:
+    """The 8-byte length + JSON, and its layout (`experts`: what config.json says)."""
     n = header_length(_pread_all(fd, 8, 0), size)
     header = _pread_all(fd, 8 + n, 0)
     if len(header) != 8 + n:
@@ -36,7 +36,7 @@ def read_safetensors(fd: int, size: int, experts: int | None) -> tuple[bytes, La
     return header, parse_header(header, size, experts)
 
 
-def read_gguf(fd: int, size: int, experts: int | None) -> tuple[bytes, Layout]:
+def read_gguf(fd: int, size: int, experts: ExpertConfig | None) -> tuple[bytes, Layout]:
     """Everything up to the aligned start of the data section, and its layout. A GGUF file states
     its expert count in its own metadata, which is what counts (`experts` is not used)."""
     layout, header = read_gguf_header(lambda off, n: _pread_all(fd, n, off), size)
@@ -46,12 +46,12 @@ def read_gguf(fd: int, size: int, experts: int | None) -> tuple[bytes, Layout]:
 @dataclass(frozen=True)
 class Format:
     suffix: str
-    reader: Callable[[int, int, int | None], tuple[bytes, Layout]]
+    reader: Callable[[int, int, ExpertConfig | None], tuple[bytes, Layout]]
     spans: Callable[[bytes, int], list[tuple[int, int, str]]]  # header → (start, end, tensor name)
 
-    def read(self, path: str, experts: int | None = None) -> Header:
-        """(size, header bytes, layout) of the file at `path`, its fused experts cut by the count
-        its config states (`experts`, colifs.moe); LayoutError or OSError if bad."""
+    def read(self, path: str, experts: ExpertConfig | None = None) -> Header:
+        """(size, header bytes, layout) of the file at `path`, its fused experts cut as its config
+        says (`experts`, colifs.moe); LayoutError or OSError if bad."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size

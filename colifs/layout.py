@@ -41,6 +41,13 @@ class ExpertKey(NamedTuple):
 Key = ExpertKey | str  # a tensor that is not a routed expert is keyed by its name
 
 
+class ExpertConfig(NamedTuple):
+    """What a model's config says about its routed experts (colifs.moe reads it)."""
+
+    count: int  # routed experts per MoE layer
+    layers: frozenset[int] | None = None  # the MoE layers, when the config states them
+
+
 class LayoutError(ValueError):
     """The header is malformed; the message is the reason, short enough for one warning line."""
 
@@ -66,6 +73,7 @@ EXPERT_NAME = "expert, by its name"
 FUSED_CONFIG = "fused experts, cut by the config's count"
 FUSED_SHAPE = "fused experts, cut by shape (no config)"
 DISAGREED = "fused-expert name, shape disagrees with the config: by name"
+DENSE_LAYER = "fused-expert name in a layer the config makes dense: by name"
 UNEVEN = "fused-expert name, leading dimensions differ in its layer (no config): by name"
 
 
@@ -81,7 +89,7 @@ class Layout:
     starts: tuple[int, ...]
     keys: tuple[Key, ...]
     keying: tuple[tuple[str, int], ...] = ()  # (why, tensors) for each way a tensor got its key
-    disagreed: tuple[str, ...] = ()  # fused-expert names whose shape disagrees with the config
+    disagreed: tuple[str, ...] = ()  # fused-expert names the config contradicts (shape or layer)
 
     def extents(self) -> Iterator[tuple[int, int, Key]]:
         """(start, end, key) of every extent, in file order."""
@@ -185,14 +193,15 @@ def never_expert(name: str) -> bool:
 
 
 def fused_cuts(
-    entries: list[tuple[str, list[int], int]], experts: int | None
+    entries: list[tuple[str, list[int], int]], config: ExpertConfig | None
 ) -> tuple[dict[str, tuple[str, int, int, str]], dict[str, str]]:
     """Which tensors of a file (name, shape, bytes) are fused experts, and how to cut them.
 
     Returns ({name: (stack, layer, slices, why)}, {name: why it is keyed by name}). With the
     config's count E, a fused-expert name is cut into E slices when dimension 0 is E (or E × rows
-    for a row-fused layout); otherwise its shape disagrees and it is keyed by name. Without a
-    config, dimension 0 is the count, but only when all fused tensors of that layer agree on it.
+    for a row-fused layout) and its layer is one the config makes MoE; otherwise it is keyed by
+    name. Without a config, dimension 0 is the count, but only when all fused tensors of that layer
+    agree on it.
     """
     found: dict[str, tuple[str, int, int, int]] = {}  # name → stack, layer, dim 0, bytes
     for name, shape, nbytes in entries:
@@ -201,11 +210,14 @@ def fused_cuts(
             found[name] = (m["stack"], int(m["layer"]), shape[0], nbytes)
     cuts: dict[str, tuple[str, int, int, str]] = {}
     by_name: dict[str, str] = {}
-    if experts is not None:
+    if config is not None:
+        e = config.count
         for name, (stack, layer, dim0, nbytes) in found.items():
-            fits = dim0 == experts or (_ROW_FUSED.search(name) is not None and dim0 % experts == 0)
-            if fits and experts >= 2 and nbytes % experts == 0:
-                cuts[name] = (stack, layer, experts, FUSED_CONFIG)
+            fits = dim0 == e or (_ROW_FUSED.search(name) is not None and dim0 % e == 0)
+            if config.layers is not None and layer not in config.layers:
+                by_name[name] = DENSE_LAYER
+            elif fits and e >= 2 and nbytes % e == 0:
+                cuts[name] = (stack, layer, e, FUSED_CONFIG)
             else:
                 by_name[name] = DISAGREED
         return cuts, by_name
@@ -220,14 +232,14 @@ def fused_cuts(
     return cuts, by_name
 
 
-def parse_header(header: bytes, file_size: int, experts: int | None = None) -> Layout:
-    """Build the Layout from the first 8+N bytes of a file of `file_size` bytes; `experts` is the
-    routed-expert count the model's config states (None: no config says).
+def parse_header(header: bytes, file_size: int, config: ExpertConfig | None = None) -> Layout:
+    """Build the Layout from the first 8+N bytes of a file of `file_size` bytes; `config` is what
+    the model's config says about its experts (None: no config says).
 
     Raises LayoutError for anything safetensors itself would refuse, plus trailing bytes.
     """
     data_start, entries = _entries(header, file_size)
-    cuts, by_name = fused_cuts([(name, shape, end - begin) for begin, end, name, shape in entries], experts)
+    cuts, by_name = fused_cuts([(name, shape, end - begin) for begin, end, name, shape in entries], config)
     starts: list[int] = []
     keys: list[Key] = []
     why: dict[str, int] = {}
@@ -253,7 +265,7 @@ def parse_header(header: bytes, file_size: int, experts: int | None = None) -> L
         if data_start + pos > file_size:
             raise LayoutError(f"tensor data ends at {data_start + pos}, past the end ({file_size})")
         raise LayoutError(f"{file_size - data_start - pos} trailing bytes after the last tensor")
-    disagreed = tuple(n for n, r in by_name.items() if r == DISAGREED)
+    disagreed = tuple(n for n, r in by_name.items() if r in (DISAGREED, DENSE_LAYER))
     return Layout(data_start, file_size, tuple(starts), tuple(keys), tuple(sorted(why.items())), disagreed)
 
 

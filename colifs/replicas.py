@@ -13,7 +13,7 @@ import stat
 from dataclasses import dataclass, field
 
 from colifs.formats import Format, format_of
-from colifs.layout import Layout, LayoutError
+from colifs.layout import ExpertConfig, Layout, LayoutError
 
 log = logging.getLogger("colifs")
 
@@ -94,9 +94,9 @@ def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | No
 
 
 def validate(
-    path: str, relpath: str, replicas: list[Replica], fmt: Format, experts: int | None = None
+    path: str, relpath: str, replicas: list[Replica], fmt: Format, experts: ExpertConfig | None = None
 ) -> ServedFile:
-    """Parse the primary copy's header (fused experts cut by the config's count `experts`) and
+    """Parse the primary copy's header (fused experts cut as the config `experts` says) and
     check every mirror; one warning per problem."""
     try:
         size, header, layout = fmt.read(path, experts)
@@ -108,10 +108,10 @@ def validate(
         log.warning("%s: %s", relpath, note)
         return ServedFile(relpath, _size_or_zero(path), note=note)
     if layout.disagreed:
-        count = f"config's {experts}" if experts is not None else "metadata's"
+        count = f"config's {experts.count} experts" if experts is not None else "metadata's expert count"
         log.warning(
-            "%s: %d fused-expert tensors have a shape that disagrees with the %s expert count "
-            "(first: %s); keyed by name, without per-expert routing",
+            "%s: %d fused-expert tensors disagree with the %s (shape, or a dense layer; first: %s); "
+            "keyed by name, without per-expert routing",
             relpath, len(layout.disagreed), count, layout.disagreed[0],
         )  # fmt: skip
     valid = [0]

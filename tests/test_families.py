@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from colifs.formats import format_of
-from colifs.layout import DISAGREED, ExpertKey, Layout
-from colifs.moe import CONFIG_NAME, Configs, expert_count
+from colifs.layout import DENSE_LAYER, DISAGREED, ExpertConfig, ExpertKey, Layout
+from colifs.moe import CONFIG_NAME, Configs, expert_count, moe_layers
 from colifs.replicas import Replica, validate
 from colifs.routing import pick, positions
 
@@ -172,7 +172,9 @@ def test_a_shape_that_disagrees_with_the_config_is_keyed_by_name_with_one_warnin
     headers = build(fixture, tmp_path, config)
     (name,) = headers
     with caplog.at_level(logging.WARNING, logger="colifs"):
-        f = validate(str(tmp_path / name), name, [Replica(0, str(tmp_path), 1.0)], format_of(name), 8)  # type: ignore[arg-type]
+        f = validate(
+            str(tmp_path / name), name, [Replica(0, str(tmp_path), 1.0)], format_of(name), ExpertConfig(8)
+        )  # type: ignore[arg-type]
     assert f.layout is not None and not any(isinstance(k, ExpertKey) for k in f.layout.keys)
     assert dict(f.layout.keying)[DISAGREED] == 8  # gate_up_proj, down_proj and their biases, 2 layers
     warnings = [r.getMessage() for r in caplog.records]
@@ -200,10 +202,10 @@ def test_the_nearest_config_decides(tmp_path: Path) -> None:
     (tmp_path / CONFIG_NAME).write_text('{"num_experts": 8}')
     (tmp_path / "a" / CONFIG_NAME).write_text('{"hidden_size": 64}')  # dense: states no experts
     configs = Configs(str(tmp_path))
-    assert configs.experts_for("x.safetensors") == 8
+    assert configs.experts_for("x.safetensors") == ExpertConfig(8)
     assert configs.experts_for("a/b/x.safetensors") is None
     shutil.rmtree(tmp_path / "a")
-    assert Configs(str(tmp_path)).experts_for("a/b/x.safetensors") == 8
+    assert Configs(str(tmp_path)).experts_for("a/b/x.safetensors") == ExpertConfig(8)
     assert expert_count({"text_config": {"num_local_experts": 16}}) == 16
     assert expert_count({"ffn_config": {"moe_num_experts": 16}}) == 16
     assert expert_count({"num_experts": None, "n_routed_experts": 256}) == 256
@@ -234,7 +236,11 @@ def backing_reads_per_mb(tmp_path: Path, family: str) -> float:
 def test_a_dbrx_checkpoint_reads_like_a_mixtral_one_through_the_mount(tmp_path: Path) -> None:
     dbrx, mixtral = backing_reads_per_mb(tmp_path, "dbrx"), backing_reads_per_mb(tmp_path, "mixtral")
     print(f"backing reads per MB with safe_open: DBRX-shaped {dbrx:.1f}, Mixtral-shaped {mixtral:.1f}")
-    assert dbrx <= mixtral * 1.25  # the rest of the layout differs (DBRX: a bigger fused Wqkv)
+    # 9.0 against 8.6 on an idle machine (docs/benchmarks.md): DBRX stores an expert as three
+    # separate slices (of w1, v1, w2), so a read meets more expert boundaries per MB. The count
+    # depends on the kernel's readahead timing (under load: 15.5 against 8.6); the bug this guards
+    # against (its rows keyed as "experts") gave 11x.
+    assert dbrx <= mixtral * 3
 
 
 def quantized(fixture: dict, rename: dict[str, list[tuple[str, str, list[int]]]]) -> dict:
@@ -305,3 +311,65 @@ def test_quantised_layouts_fp8_scales_and_mxfp4_blocks(tmp_path: Path) -> None:
                     assert [keyed[start + k * step] for k in range(4)] == [
                         ExpertKey("model.layers", int(tensor.split(".")[2]), k) for k in range(4)
                     ], tensor
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_moe_layers_a_config_states_are_where_the_experts_are(family: str) -> None:
+    fixture = load(family)
+    held = {
+        int(NAME.match(n)["layer"])  # type: ignore[index]
+        for f in fixture["files"].values()
+        for n in f["header"]
+        if re.search(FAMILIES[family].pattern, n)
+    }
+    stated = moe_layers(fixture["config"])
+    assert stated is None or stated == held, (stated, held)
+
+
+def test_moe_layer_placement_of_real_configs() -> None:
+    assert moe_layers(
+        {"n_routed_experts": 256, "num_hidden_layers": 61, "first_k_dense_replace": 3}
+    ) == frozenset(range(3, 61))
+    qwen2 = {"num_experts": 60, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [5]}
+    assert moe_layers(qwen2) == {1, 3}
+    assert moe_layers(
+        {"num_experts": 16, "num_hidden_layers": 8, "expert_layer_period": 2, "expert_layer_offset": 1}
+    ) == {1, 3, 5, 7}
+    assert moe_layers(
+        {"text_config": {"num_local_experts": 128, "num_hidden_layers": 4, "interleave_moe_layer_step": 2}}
+    ) == {1, 3}
+    assert moe_layers(
+        {
+            "num_local_experts": 16,
+            "num_hidden_layers": 4,
+            "moe_layers": [0, 2],
+            "interleave_moe_layer_step": 1,
+        }
+    ) == {0, 2}
+    ernie = {
+        "moe_num_experts": 64,
+        "num_hidden_layers": 6,
+        "moe_layer_start_index": 1,
+        "moe_layer_end_index": 4,
+        "moe_layer_interval": 1,
+    }
+    assert moe_layers(ernie) == {1, 2, 3, 4}
+    assert moe_layers({"num_local_experts": 8, "num_hidden_layers": 32}) is None  # every layer
+    assert moe_layers({"hidden_size": 64}) is None
+
+
+def test_a_fused_expert_tensor_in_a_layer_the_config_makes_dense_is_keyed_by_name(tmp_path: Path) -> None:
+    fixture = load("granitemoe")
+    headers = build(fixture, tmp_path, {**fixture["config"], "moe_layers": [1]})
+    (lay,) = layouts(tmp_path, headers).values()
+    layers = {k.layer for k in lay.keys if isinstance(k, ExpertKey)}
+    assert layers == {1} and dict(lay.keying)[DENSE_LAYER] == 2
+    assert all(".0." in n for n in lay.disagreed) and len(lay.disagreed) == 2
+
+
+def test_a_hostile_config_is_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / CONFIG_NAME).write_bytes(b"[" * 100_000 + b"]" * 100_000)
+    with caplog.at_level(logging.WARNING, logger="colifs"):
+        assert Configs(str(tmp_path)).experts_for("x.safetensors") is None
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "config.json: unusable (nested too deeply)" in warning

@@ -61,6 +61,10 @@ def test_route_names_tensor_key_and_the_drive_that_really_serves_it(model) -> No
         assert seen == {"primary", "mirror"}  # both answers were checked against real reads
         text = run_colifs("route", str(f), "0x10").stdout
         assert "(header)" in text and "primary" in text
+        keyed = dict(layout.keying)
+        assert keyed and sum(keyed.values()) == len([s for s in spans if s[1] > s[0]])
+        assert json.loads(out.stdout)["tensors_keyed"] == keyed  # why each tensor got its key
+        assert "tensors keyed: " + ", ".join(f"{n} {why}" for why, n in keyed.items()) in text
         assert "not a model file" in run_colifs("route", str(m.path / "config.json"), "3").stdout
         past = run_colifs("route", str(f), str(size))
         assert past.returncode == 2 and "outside" in past.stderr
