@@ -8,7 +8,10 @@ LLAMA_CPP_PYTHON := 0.3.36
 VOCAB := .cache/gguf-vocab
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: demo test lint sysdeps clean
+ENGINES_VENV := .venv-engines
+XLLAMACPP := 2026.10.11549
+
+.PHONY: demo test lint sysdeps clean bench-engines
 
 demo: $(STAMP)
 	$(VENV)/bin/python contrib/demo.py
@@ -21,6 +24,12 @@ test: $(STAMP) $(VOCAB)/.done
 lint: $(STAMP)
 	$(VENV)/bin/ruff check colifs tests contrib
 	$(VENV)/bin/ruff format --check colifs tests contrib
+
+# Optional: real inference engines for contrib/bench/llama-decode.sh (make test needs none of them).
+bench-engines: $(STAMP) $(VOCAB)/.done
+	[ -x $(ENGINES_VENV)/bin/python ] || python3 -m venv $(ENGINES_VENV)
+	$(ENGINES_VENV)/bin/pip install -q xllamacpp==$(XLLAMACPP)
+	@echo "ready: sudo COLIFS_GGUF_VOCAB_DIR=$(VOCAB) contrib/bench/llama-decode.sh"
 
 PY_HEADERS := python3 -c "import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"
 
@@ -49,4 +58,4 @@ $(VOCAB)/.done: | $(STAMP)
 	touch $@
 
 clean:
-	rm -rf $(VENV) .cache *.egg-info .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(ENGINES_VENV) .cache *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -268,3 +268,83 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def write_runnable_gguf(
+    path: str,
+    vocab: str,
+    layers: int = 12,
+    experts: int = 64,
+    used: int = 4,
+    hidden: int = 1024,
+    inter: int = 512,
+    heads: int = 8,
+    kv_heads: int = 4,
+    head_dim: int = 128,
+    seed: int = 0,
+) -> None:
+    """A qwen3moe model llama.cpp loads and runs: random F16 weights (small, so activations stay
+    finite), the tokenizer of `vocab` (one of llama.cpp's ggml-vocab-*.gguf files). With the
+    defaults, 12 layers x 64 experts of 3 MiB and top-4 routing: decoding streams ~144 MiB a token."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    tok = gguf.GGUFReader(vocab)
+    field = tok.fields
+    n_vocab = len(field["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(path, "qwen3moe")
+    w.add_name("colifs synthetic qwen3moe")
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(inter)
+    w.add_expert_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1e6)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_expert_count(experts)
+    w.add_expert_used_count(used)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model(str(field["tokenizer.ggml.model"].contents()))
+    w.add_tokenizer_pre(str(field["tokenizer.ggml.pre"].contents()))
+    w.add_token_list(field["tokenizer.ggml.tokens"].contents())
+    w.add_token_types(field["tokenizer.ggml.token_type"].contents())
+    w.add_token_merges(field["tokenizer.ggml.merges"].contents())
+    for name, add in (
+        ("eos", w.add_eos_token_id),
+        ("bos", w.add_bos_token_id),
+        ("padding", w.add_pad_token_id),
+    ):
+        if f"tokenizer.ggml.{name}_token_id" in field:
+            add(int(field[f"tokenizer.ggml.{name}_token_id"].contents()))
+
+    def add(name: str, shape: tuple[int, ...], scale: float = 0.02) -> None:
+        w.add_tensor(name, (rng.standard_normal(shape, dtype=np.float32) * scale).astype(np.float16))
+
+    def ones(name: str, n: int) -> None:
+        w.add_tensor(name, np.ones(n, dtype=np.float32))
+
+    add("token_embd.weight", (n_vocab, hidden))
+    for L in range(layers):
+        p = f"blk.{L}"
+        ones(f"{p}.attn_norm.weight", hidden)
+        add(f"{p}.attn_q.weight", (heads * head_dim, hidden))
+        add(f"{p}.attn_k.weight", (kv_heads * head_dim, hidden))
+        add(f"{p}.attn_v.weight", (kv_heads * head_dim, hidden))
+        add(f"{p}.attn_output.weight", (hidden, heads * head_dim))
+        ones(f"{p}.attn_q_norm.weight", head_dim)
+        ones(f"{p}.attn_k_norm.weight", head_dim)
+        ones(f"{p}.ffn_norm.weight", hidden)
+        w.add_tensor(f"{p}.ffn_gate_inp.weight", rng.standard_normal((experts, hidden), dtype=np.float32))
+        add(f"{p}.ffn_gate_exps.weight", (experts, inter, hidden))
+        add(f"{p}.ffn_up_exps.weight", (experts, inter, hidden))
+        add(f"{p}.ffn_down_exps.weight", (experts, hidden, inter))
+    ones("output_norm.weight", hidden)
+    add("output.weight", (n_vocab, hidden))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -690,10 +690,10 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
     }
     if (valid > end)
         valid = end;
-    if (ahead)
-        prefetch_store(e, ino, f, buf, start, off, asked, valid, from, end);
     uint64_t reply_end = valid < asked ? valid : asked;
     fuse_reply_buf(req, reply_end > off ? buf + (off - start) : NULL, reply_end > off ? reply_end - off : 0);
+    if (ahead) /* after the reply: the request's own pages are unlocked by then */
+        prefetch_store(e, ino, f, buf, start, off, asked, valid, from, end);
 out:
     if (err) {
         fuse_reply_err(req, err);

@@ -145,7 +145,6 @@ typedef struct engine {
     int store_stop, store_started;
     pthread_t store_thread;
     _Atomic uint64_t store_inflight;
-    _Atomic int inline_stores;
 
     /* Calls into Python: rare requests (control files, xattrs) and events. Set by module.c. */
     void *py;

@@ -6,10 +6,10 @@
  * over-reads), at most prefetch_max bytes, and no more than STORE_INFLIGHT_MAX bytes wait to be
  * stored at once. O_DIRECT opens never prefetch.
  *
- * A store runs on the request's thread before its reply (the reader's next faults then find the
- * pages), by at most half of the FUSE threads at once: notify_store waits for pages a concurrent
- * read holds locked, and the threads left answer those reads. Beyond that, stores go to a thread
- * of their own.
+ * Stores run on a thread of their own, after the request's reply: notify_store waits for pages
+ * that pending reads hold locked, so a FUSE thread storing before its reply could wait for a read
+ * whose thread waits, storing, for this one's pages (seen: two threads deadlocked so, with
+ * llama.cpp faulting one expert from several threads).
  */
 #define _GNU_SOURCE
 #include "engine.h"
@@ -80,21 +80,9 @@ int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_
     return 1;
 }
 
-/* Store [a, b) of what was read (data holds [start, ...) up to got_end) in the page cache. */
+/* Queue [a, b) of what was read (data holds [start, ...)) for the store thread. */
 static void store(engine_t *e, uint64_t ino, const char *data, uint64_t start, uint64_t a, uint64_t b) {
     uint64_t n = b - a;
-    atomic_fetch_add(&e->ctr.prefetch[0], n);
-    /* Inline, before the reply, so that the reader's next faults find the pages: while at most half
-     * of the FUSE threads do so (a store may wait for a read another thread must answer). */
-    if (atomic_fetch_add(&e->inline_stores, 1) < e->fuse_threads / 2) {
-        struct fuse_bufvec bv = FUSE_BUFVEC_INIT(n);
-        bv.buf[0].mem = (void *)(data + (a - start));
-        fuse_lowlevel_notify_store(e->se, ino, (off_t)a, &bv, 0);
-        atomic_fetch_sub(&e->inline_stores, 1);
-        atomic_fetch_sub(&e->store_inflight, n);
-        return;
-    }
-    atomic_fetch_sub(&e->inline_stores, 1);
     store_job_t *j = malloc(sizeof *j);
     char *copy = j ? malloc(n) : NULL;
     if (!copy) {
@@ -104,6 +92,7 @@ static void store(engine_t *e, uint64_t ino, const char *data, uint64_t start, u
     }
     memcpy(copy, data + (a - start), n);
     *j = (store_job_t){ino, a, n, copy, NULL};
+    atomic_fetch_add(&e->ctr.prefetch[0], n);
     pthread_mutex_lock(&e->store_m);
     if (e->store_tail)
         e->store_tail->next = j;
@@ -183,6 +172,10 @@ void prefetch_stop(engine_t *e) {
     e->store_stop = 1;
     pthread_cond_broadcast(&e->store_c);
     pthread_mutex_unlock(&e->store_m);
-    pthread_join(e->store_thread, NULL);
+    struct timespec deadline; /* a store waiting for a page the unmount never releases: let it be */
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 5;
+    if (pthread_timedjoin_np(e->store_thread, NULL, &deadline) != 0)
+        pthread_detach(e->store_thread);
     e->store_started = 0;
 }

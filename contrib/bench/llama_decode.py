@@ -1,0 +1,194 @@
+"""llama.cpp decoding a synthetic MoE model streamed from two throttled drives: directly from the
+fast drive (readahead 128 and 512 KiB) against through colifs, with llama.cpp (via xllamacpp) in a
+memory cgroup well below the model's size, as on a workstation whose RAM is smaller than the model.
+
+    contrib/bench/llama-decode.sh [--fast 150] [--slow 50] [--mem-mib 1200] [--tokens 24]
+                                  [--repeats 3] [--modes mmap,none,direct] [--json FILE]
+
+The model: colifs.synth.write_runnable_gguf (qwen3moe, 12 layers x 64 experts of 3 MiB, top 4,
+random F16 weights) with the tokenizer of llama.cpp's ggml-vocab-qwen2.gguf ($COLIFS_GGUF_VOCAB_DIR,
+which `make test` fills). The engine runs under $ENGINE_PYTHON (default .venv-engines/bin/python,
+made by `make bench-engines`). Caches are dropped before every run; configurations are interleaved;
+medians and min-max over the repeats. For colifs runs the daemon joins the engine's memory cgroup,
+whose limit grows by the daemon's own RSS plus 64 MiB of read buffers. Root only; cleans up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dual_drive import COLIFS, Rig, colifs_mount, settle
+
+MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+DAEMON_BUFFERS_MIB = 64
+
+# Runs in the engine's interpreter: load, decode, print one JSON line.
+ENGINE = """
+import json, sys, time
+import xllamacpp as x
+path, n, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+p = x.CommonParams()
+p.model.path = path
+p.n_ctx = 512
+p.n_predict = n
+p.warmup = False
+p.load_mode = getattr(x.llama_load_mode, {"mmap": "LLAMA_LOAD_MODE_MMAP", "none": "LLAMA_LOAD_MODE_NONE",
+                                          "direct": "LLAMA_LOAD_MODE_DIRECT_IO"}[mode])
+t = time.time()
+s = x.Server(p)
+load = time.time() - t
+ask = {"prompt": "The quick brown fox jumps over", "n_predict": n, "temperature": 0, "seed": 1}
+r = s.handle_completions(ask)
+t = r["timings"]
+print(json.dumps({"load_s": load, "decode_tok_s": t["predicted_per_second"],
+                  "prompt_tok_s": t["prompt_per_second"], "tokens": t["predicted_n"],
+                  "text": r["choices"][0]["text"]}))
+"""
+
+
+class MemoryCgroup:
+    def __init__(self, limit_mib: int) -> None:
+        self.path = MEMORY_ROOT / f"colifs-llama-{os.getpid()}"
+        self.path.mkdir()
+        self.set_limit(limit_mib)
+
+    def set_limit(self, mib: int) -> None:
+        (self.path / "memory.limit_in_bytes").write_text(f"{mib << 20}\n")
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")
+
+    def close(self) -> None:
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
+        self.path.rmdir()
+
+
+def rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+
+
+def run_engine(py: str, model: Path, args: argparse.Namespace, mode: str, cg: MemoryCgroup) -> dict:
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    # The engine joins the memory cgroup before it loads anything (the blkio one is inherited).
+    cmd = ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh", py, "-c", ENGINE]
+    out = subprocess.run([*cmd, str(model), str(args.tokens), mode], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--fast", type=float, default=150)
+    p.add_argument("--slow", type=float, default=50)
+    p.add_argument("--mem-mib", type=int, default=1200, help="the engine's memory cgroup (default 1200)")
+    p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--modes", default="mmap", help="llama.cpp load modes: mmap,none,direct (default mmap)")
+    p.add_argument("--json", metavar="FILE")
+    args = p.parse_args()
+    py = os.environ.get("ENGINE_PYTHON", str(Path(__file__).parents[2] / ".venv-engines/bin/python"))
+    vocab = Path(os.environ.get("COLIFS_GGUF_VOCAB_DIR", Path(__file__).parents[2] / ".cache/gguf-vocab"))
+    vocab /= "ggml-vocab-qwen2.gguf"
+    if os.geteuid() != 0 or not MEMORY_ROOT.is_dir():
+        print("llama-decode: needs root and cgroup v1 (blkio, memory)", file=sys.stderr)
+        return 2
+    if not vocab.is_file() or not Path(py).exists():
+        print(f"llama-decode: needs {vocab} (make test) and {py} (make bench-engines)", file=sys.stderr)
+        return 2
+
+    def interrupted(sig: int, _: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
+    work = Path(tempfile.mkdtemp(prefix="colifs-llama-"))
+    rig = cg = None
+    try:
+        rig = Rig(work, image_gb=3.6)
+        from colifs.synth import write_runnable_gguf
+
+        print("writing the model (2.9 GB) to both drives ...", file=sys.stderr)
+        a, b = rig.dirs
+        a.mkdir()
+        write_runnable_gguf(str(a / "model.gguf"), str(vocab))
+        shutil.copytree(a, b, dirs_exist_ok=True)
+        settle()
+        rig.throttle(args.fast, args.slow)
+        cg = MemoryCgroup(args.mem_mib)
+        mnt = work / "mnt"
+        mnt.mkdir()
+        loop = rig.devnames()[0]
+        w = f"{args.fast:g},{args.slow:g}"
+        configs: list[tuple[str, list[str] | None, int]] = [
+            ("fast drive directly, readahead 128 KiB", None, 128),
+            ("fast drive directly, readahead 512 KiB", None, 512),
+            ("colifs, both drives (defaults)", ["--weights", w], 128),
+            ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
+            ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
+        ]
+        results: dict[str, dict[str, list[dict]]] = {}
+        for rep in range(args.repeats):
+            for mode in args.modes.split(","):
+                for label, flags, kb in configs:
+                    print(f"run {rep + 1}/{args.repeats}: {mode}: {label} ...", file=sys.stderr)
+                    Path(f"/sys/block/{loop}/queue/read_ahead_kb").write_text(f"{kb}\n")
+                    if flags is None:
+                        cg.set_limit(args.mem_mib)
+                        r = run_engine(py, a / "model.gguf", args, mode, cg)
+                    else:
+                        with colifs_mount([a, b], mnt, *flags) as st:
+                            cg.add(st["pid"])
+                            cg.set_limit(args.mem_mib + rss_mib(st["pid"]) + DAEMON_BUFFERS_MIB)
+                            r = run_engine(py, mnt / "model.gguf", args, mode, cg)
+                            (MEMORY_ROOT / "cgroup.procs").write_text(f"{st['pid']}\n")
+                    results.setdefault(mode, {}).setdefault(label, []).append(r)
+                    if args.json:  # after every run: a failure later loses nothing measured
+                        Path(args.json).write_text(
+                            json.dumps({"args": vars(args), "results": results}, indent=1)
+                        )
+        print()
+        print(
+            f"llama.cpp (xllamacpp) decoding {args.tokens} tokens; drives {args.fast:g} + {args.slow:g} "
+            f"MB/s; engine memory cgroup {args.mem_mib} MiB; {args.repeats} runs each, interleaved"
+        )
+        for mode, by in results.items():
+            ref_text = by[configs[0][0]][0]["text"]
+            best = max(statistics.median(x["decode_tok_s"] for x in by[c[0]]) for c in configs[:2])
+            print(f"\nload mode {mode}:")
+            print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
+                  f"{'prompt tok/s':>13} {'load s':>7} {'tokens equal':>13}")  # fmt: skip
+            for label, _, _ in configs:
+                runs = by[label]
+                d = [x["decode_tok_s"] for x in runs]
+                same = all(x["text"] == ref_text for x in runs)
+                print(
+                    f"{label:<42} {statistics.median(d):>13.2f} {f'{min(d):.2f}-{max(d):.2f}':>13} "
+                    f"{statistics.median(d) / best:>15.2f} "
+                    f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
+                    f"{statistics.median(x['load_s'] for x in runs):>7.2f} {'yes' if same else 'NO':>13}"
+                )
+        return 0
+    finally:
+        subprocess.run([*COLIFS, "umount", "--lazy", str(work / "mnt")], capture_output=True)
+        if cg is not None:
+            cg.close()
+        if rig is not None:
+            rig.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
