@@ -204,3 +204,27 @@ def test_real_llama_cpp_vocab_files_parse_like_gguf_reader() -> None:
         assert header == path.read_bytes()[: min(ref.data_offset, path.stat().st_size)]
         named = {k for k in lay.keys if isinstance(k, str) and k != "<padding>"}
         assert named <= {t.name for t in ref.tensors}, path.name
+
+
+@pytest.mark.skipif(not VOCAB, reason="COLIFS_GGUF_VOCAB_DIR unset (make test sets it)")
+def test_the_runnable_synthetic_model_is_a_whole_qwen3moe(tmp_path: Path) -> None:
+    """What llama-decode.sh runs: llama.cpp's tensor set and metadata, a real tokenizer, experts
+    keyed by the expert count in its metadata."""
+    from colifs.synth import write_runnable_gguf
+
+    path = tmp_path / "m.gguf"
+    dims = {"layers": 2, "experts": 8, "used": 2, "hidden": 64, "inter": 32, "heads": 2, "kv_heads": 1}
+    write_runnable_gguf(str(path), str(Path(VOCAB) / "ggml-vocab-qwen2.gguf"), head_dim=32, **dims)  # type: ignore[arg-type]
+    ref = gguf.GGUFReader(str(path))
+    assert ref.fields["general.architecture"].contents() == "qwen3moe"
+    assert ref.fields["qwen3moe.expert_count"].contents() == 8
+    assert len(ref.fields["tokenizer.ggml.tokens"].data) == 151936
+    names = {t.name for t in ref.tensors}
+    for L in range(2):
+        want = ("attn_q", "attn_k", "attn_v", "attn_output", "attn_q_norm", "attn_k_norm", "ffn_gate_inp")
+        assert {f"blk.{L}.{t}.weight" for t in want} <= names
+    lay, _ = parse_file(path)
+    assert dict(lay.keying)[FUSED_CONFIG] == 6  # gate, up, down in each of the 2 layers
+    assert {k for k in lay.keys if isinstance(k, ExpertKey)} == {
+        ExpertKey("blk", L, e) for L in range(2) for e in range(8)
+    }

@@ -47,7 +47,10 @@ p.load_mode = getattr(x.llama_load_mode, {"mmap": "LLAMA_LOAD_MODE_MMAP", "none"
 t = time.time()
 s = x.Server(p)
 load = time.time() - t
-ask = {"prompt": "The quick brown fox jumps over", "n_predict": n, "temperature": 0, "seed": 1}
+# Sampled (seeded: the same tokens every run): greedy decoding of random weights repeats one
+# token, so every step would route to the same, cached, experts and nothing would stream.
+ask = {"prompt": "The quick brown fox jumps over", "n_predict": n, "temperature": 1.0, "top_k": 0,
+       "top_p": 1.0, "min_p": 0.0, "seed": 1}
 r = s.handle_completions(ask)
 t = r["timings"]
 print(json.dumps({"load_s": load, "decode_tok_s": t["predicted_per_second"],
