@@ -91,4 +91,3 @@ def test_prefetch_is_off_by_default(checkpoint, tmp_path: Path, engine: str) -> 
         drop_file_cache(m.path / shard.name)
         assert (m.path / shard.name).read_bytes() == shard.read_bytes()
         assert m.stats()["prefetch"].get("prefetches", 0) == 0
-
