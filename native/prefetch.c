@@ -75,6 +75,7 @@ int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_
         atomic_fetch_sub(&e->store_inflight, extra);
         return 0;
     }
+    atomic_fetch_add(&e->ctr.prefetch[1], 1);
     *from = a;
     *to = b;
     return 1;
@@ -92,7 +93,6 @@ static void store(engine_t *e, uint64_t ino, const char *data, uint64_t start, u
     }
     memcpy(copy, data + (a - start), n);
     *j = (store_job_t){ino, a, n, copy, NULL};
-    atomic_fetch_add(&e->ctr.prefetch[0], n);
     pthread_mutex_lock(&e->store_m);
     if (e->store_tail)
         e->store_tail->next = j;
@@ -119,8 +119,6 @@ void prefetch_store(engine_t *e, uint64_t ino, file_t *f, const char *data, uint
         store(e, ino, data, start, right, right_end);
         stored += right_end - right;
     }
-    if (stored)
-        atomic_fetch_add(&e->ctr.prefetch[1], 1);
     atomic_fetch_sub(&e->store_inflight, ((to - from) - (asked - off)) - stored); /* never stored */
 }
 
@@ -146,7 +144,8 @@ static void *store_main(void *arg) {
         if (!stop) {
             struct fuse_bufvec bv = FUSE_BUFVEC_INIT(j->len);
             bv.buf[0].mem = j->data;
-            fuse_lowlevel_notify_store(e->se, j->ino, (off_t)j->off, &bv, 0);
+            if (fuse_lowlevel_notify_store(e->se, j->ino, (off_t)j->off, &bv, 0) == 0)
+                atomic_fetch_add(&e->ctr.prefetch[0], j->len); /* in the page cache now */
         }
         atomic_fetch_sub(&e->store_inflight, j->len);
         free(j->data);
