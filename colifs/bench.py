@@ -46,11 +46,11 @@ def find_experts(root: str) -> list[Expert]:
         fmt = format_of(path.name)
         if fmt is None or not path.is_file():
             continue
+        rel = str(path.relative_to(root))
         try:
-            _, _, lay = fmt.read(str(path), configs.experts_for(str(path.relative_to(root))))
+            _, _, lay = fmt.read(str(path), configs.experts_for(rel))
         except (OSError, LayoutError):
             continue
-        rel = str(path.relative_to(root))
         for start, end, key in lay.extents():
             if isinstance(key, ExpertKey):
                 experts.setdefault(key, Expert(key)).ranges.append((rel, start, end))

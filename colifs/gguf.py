@@ -211,17 +211,20 @@ def _layout(
         first = data_start + offset if starts else data_start  # leading padding: first tensor's
         m = _FUSED.match(name)
         n_exp = dims[-1] if m and len(dims) >= 2 else 0
-        reason = FUSED_CONFIG if experts is not None else FUSED_SHAPE
+        cut = n_exp >= 2 and nbytes % n_exp == 0
         if n_exp and experts is not None and n_exp != experts:
-            n_exp, reason = 0, DISAGREED
+            reason, cut = DISAGREED, False
             disagreed.append(name)
-        if n_exp >= 2 and nbytes % n_exp == 0:
+        elif cut:
+            reason = FUSED_CONFIG if experts is not None else FUSED_SHAPE
+        else:
+            reason = BY_NAME
+        if cut:
             step = nbytes // n_exp
             for e in range(n_exp):
                 starts.append(first if e == 0 else data_start + offset + e * step)
                 keys.append(ExpertKey(m["stack"], int(m["layer"]), e))  # type: ignore[index]
         else:
-            reason = reason if reason == DISAGREED else BY_NAME
             starts.append(first)
             keys.append(name)
         why[reason] = why.get(reason, 0) + 1

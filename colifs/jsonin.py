@@ -24,10 +24,23 @@ def loads(doc: str | bytes) -> object:
         raise BadJSON(str(e).split(";")[0]) from None
 
 
-def load_file(path: str, limit: int) -> object:
-    """The JSON in the file at `path`, refused past `limit` bytes; OSError if it cannot be read."""
+class TooLarge(ValueError):
+    """A file longer than any file of its kind colifs reads."""
+
+
+def read_bounded(path: str, limit: int) -> bytes:
+    """The bytes of the file at `path`, TooLarge past `limit`; OSError if it cannot be read."""
     with open(path, "rb") as f:
         raw = f.read(limit + 1)
     if len(raw) > limit:
-        raise BadJSON(f"larger than {limit} bytes")
+        raise TooLarge(f"larger than {limit} bytes")
+    return raw
+
+
+def load_file(path: str, limit: int) -> object:
+    """The JSON in the file at `path`, refused past `limit` bytes; OSError if it cannot be read."""
+    try:
+        raw = read_bounded(path, limit)
+    except TooLarge as e:
+        raise BadJSON(str(e)) from None
     return loads(raw)

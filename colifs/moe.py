@@ -24,14 +24,21 @@ COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_e
 NESTED = ("ffn_config", "text_config", "language_config", "llm_config")
 
 
+def _count(config: Mapping) -> int | None:
+    """The routed-expert count this mapping itself states (not a nested one)."""
+    for key in COUNT_KEYS:
+        value = config.get(key)
+        if type(value) is int and value > 0:
+            return value
+    return None
+
+
 def _moe_section(config: object) -> Mapping | None:
     """The part of a config that states the routed-expert count (top level, or nested)."""
     if not isinstance(config, Mapping):
         return None
-    for key in COUNT_KEYS:
-        value = config.get(key)
-        if type(value) is int and value > 0:
-            return config
+    if _count(config) is not None:
+        return config
     for key in NESTED:
         inner = _moe_section(config.get(key))
         if inner is not None:
@@ -45,11 +52,7 @@ def expert_count(config: object) -> int | None:
     section = _moe_section(config)
     if section is None:
         return None
-    for key in COUNT_KEYS:
-        value = section.get(key)
-        if type(value) is int and value > 0:
-            return value
-    return expert_count(section.get("ffn_config"))
+    return _count(section) or _count(section["ffn_config"])  # DBRX: its section holds ffn_config
 
 
 def _int(section: Mapping, key: str, default: int | None = None) -> int | None:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from colifs.errors import UsageError
-from colifs.jsonin import BadJSON, load_file
+from colifs.jsonin import BadJSON, TooLarge, load_file, read_bounded
 from colifs.layout import ExpertKey, Key, Layout
 
 USAGE_NAME = ".colifs-usage.json"
@@ -163,11 +163,9 @@ def read_coli_usage(path: str, key_bytes: Mapping[Key, int], main_stack: str) ->
     Its layers are the main stack's (`main_stack`); an expert the model lacks is skipped.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_USAGE_FILE + 1)
-        if len(raw) > MAX_USAGE_FILE:
-            raise BadUsageFile(f"{path}: larger than {MAX_USAGE_FILE} bytes: not a usage file")
-        lines = raw.decode("ascii").splitlines()
+        lines = read_bounded(path, MAX_USAGE_FILE).decode("ascii").splitlines()
+    except TooLarge as e:
+        raise BadUsageFile(f"{path}: {e}: not a usage file") from None
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not ASCII text"
         raise BadUsageFile(f"{path}: cannot read ({reason})") from None

@@ -105,7 +105,7 @@ static void store(engine_t *e, uint64_t ino, const char *data, uint64_t start, u
 
 void prefetch_store(engine_t *e, uint64_t ino, file_t *f, const char *data, uint64_t start, uint64_t off,
                     uint64_t asked, uint64_t got_end, uint64_t from, uint64_t to) {
-    /* Never the request's own pages: the kernel holds them locked until this reply. */
+    /* Not the request's own pages: its reply just gave them to the kernel. */
     uint64_t left_end = off & ~(PAGE - 1), right = (asked + PAGE - 1) & ~(PAGE - 1);
     uint64_t right_end = got_end < to ? got_end : to;
     if (right_end != f->size)
