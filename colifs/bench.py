@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from colifs.buffers import align_down, align_up
@@ -28,10 +28,10 @@ from colifs.moe import Configs
 from colifs.routing import pick, positions
 
 
-@dataclass
+@dataclass(frozen=True)
 class Expert:
     key: ExpertKey
-    ranges: list[tuple[str, int, int]] = field(default_factory=list)  # (relpath, start, end)
+    ranges: list[tuple[str, int, int]]  # (relpath, start, end)
 
     @property
     def nbytes(self) -> int:
@@ -40,7 +40,7 @@ class Expert:
 
 def find_experts(root: str) -> list[Expert]:
     """Every routed expert of the model files (safetensors, GGUF) under `root`, with its byte ranges."""
-    experts: dict[ExpertKey, Expert] = {}
+    ranges: dict[ExpertKey, list[tuple[str, int, int]]] = {}
     configs = Configs(root)
     for path in sorted(Path(root).rglob("*")):
         fmt = format_of(path.name)
@@ -53,8 +53,8 @@ def find_experts(root: str) -> list[Expert]:
             continue
         for start, end, key in lay.extents():
             if isinstance(key, ExpertKey):
-                experts.setdefault(key, Expert(key)).ranges.append((rel, start, end))
-    return list(experts.values())
+                ranges.setdefault(key, []).append((rel, start, end))
+    return [Expert(key, spans) for key, spans in ranges.items()]
 
 
 def drop_caches(roots: Sequence[str]) -> None:
@@ -163,6 +163,87 @@ def _sample_inflight(devices: Sequence[str], stop: threading.Event, out: dict[st
                 pass
 
 
+class _Figures:
+    """What the readers measured, over exactly [start, deadline]: a read that straddles the deadline
+    counts for the part of its time before it. Readers finish the expert they are on, uncounted:
+    with big experts that tail is seconds long, on the slowest drive, and would bias every rate down."""
+
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.deadline = self.start + seconds
+        self.bytes = 0.0
+        self.experts = 0.0
+        self.latencies: list[float] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+    def _share(self, t0: float, t1: float) -> float:
+        return 1.0 if t1 <= self.deadline else max(0.0, self.deadline - t0) / (t1 - t0)
+
+    def read(self, nbytes: int, t0: float, t1: float) -> None:
+        with self._lock:
+            self.bytes += nbytes * self._share(t0, t1)
+
+    def expert(self, t0: float, t1: float) -> None:
+        with self._lock:
+            self.latencies.append(t1 - t0)
+            self.experts += self._share(t0, t1)
+
+    def failed(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+    def percentile_ms(self, p: float) -> float:
+        lat = sorted(self.latencies)
+        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else 0.0
+
+
+def _reader(
+    figures: _Figures, experts: Sequence[Expert], route: Sequence[int], roots: Sequence[str],
+    choose: _Chooser, mode: str, max_range: int, seed: int,
+) -> None:  # fmt: skip
+    """One reader thread: whole experts, one after the other, until the deadline."""
+    rng = random.Random(seed)
+    reader = _Reader(mode, max_range)
+    try:
+        while time.monotonic() < figures.deadline:
+            i = choose(rng)
+            t_expert = t1 = time.monotonic()
+            for rel, s, e in experts[i].ranges:
+                t0 = time.monotonic()
+                n = reader.read(roots[route[i]], rel, s, e)
+                t1 = time.monotonic()
+                figures.read(n, t0, t1)
+            figures.expert(t_expert, t1)
+    except BaseException as e:
+        figures.failed(e)
+    finally:
+        reader.close()
+
+
+def _wait(pool: Sequence[threading.Thread], figures: _Figures, stop: threading.Event, progress: bool) -> None:
+    """Until every reader is done; the in-flight sampler stops at the deadline."""
+    while any(t.is_alive() for t in pool):
+        time.sleep(0.25)
+        now = time.monotonic()
+        if now >= figures.deadline:
+            stop.set()  # in-flight samples cover the measured span only
+        if progress:
+            el = min(now, figures.deadline) - figures.start
+            gb = figures.bytes / 1e9
+            print(f"\r  {el:5.1f}s  {gb:7.2f} GB  {gb / el:6.3f} GB/s", end="", file=sys.stderr)
+    stop.set()
+    if progress:
+        print(file=sys.stderr)
+
+
+def _routes(experts: Sequence[Expert], replicas: int, weights: Sequence[float] | None) -> list[int]:
+    """The directory each expert is read from: colifs' routing of its key over full copies."""
+    if replicas == 1:
+        return [0] * len(experts)
+    where = positions(e.key for e in experts)
+    return [pick(where[e.key], weights or [1.0] * replicas) for e in experts]
+
+
 def run(
     roots: Sequence[str],
     weights: Sequence[float] | None = None,
@@ -179,92 +260,42 @@ def run(
     experts = find_experts(roots[0])
     if not experts:
         raise ValueError(f"{roots[0]}: no routed MoE expert tensors found in its model files")
-    route = [0] * len(experts)
-    if len(roots) > 1:
-        where = positions(e.key for e in experts)
-        route = [pick(where[e.key], weights or [1.0] * len(roots)) for e in experts]
+    route = _routes(experts, len(roots), weights)
     if cold:
         drop_caches(roots)
     choose = _Chooser(len(experts), zipf, seed)
     max_range = max(e - s for x in experts for _, s, e in x.ranges)
-    lat: list[float] = []
-    # Figures cover exactly [start, deadline]: a read that straddles the deadline counts for the
-    # part of its time before it. Readers finish the expert they are on, uncounted: with big
-    # experts that tail is seconds long, on the slowest drive, and would bias every rate down.
-    total = [0.0, 0.0]  # bytes, experts
-    lock = threading.Lock()
-    t_start = time.monotonic()
-    deadline = t_start + seconds
-    errors: list[BaseException] = []
-
-    def share(t0: float, t1: float) -> float:
-        return 1.0 if t1 <= deadline else max(0.0, deadline - t0) / (t1 - t0)
-
-    def work(k: int) -> None:
-        rng = random.Random(seed * 1000 + k)
-        reader = _Reader(mode, max_range)
-        try:
-            while time.monotonic() < deadline:
-                i = choose(rng)
-                t_expert = time.monotonic()
-                for rel, s, e in experts[i].ranges:
-                    t0 = time.monotonic()
-                    n = reader.read(roots[route[i]], rel, s, e)
-                    t1 = time.monotonic()
-                    with lock:
-                        total[0] += n * share(t0, t1)
-                with lock:
-                    lat.append(t1 - t_expert)
-                    total[1] += share(t_expert, t1)
-        except BaseException as e:
-            errors.append(e)
-        finally:
-            reader.close()
-
     samples: dict[str, list[int]] = {d: [] for d in devices}
     stop = threading.Event()
     sampler = threading.Thread(target=_sample_inflight, args=(devices, stop, samples), daemon=True)
     sampler.start()
-    pool = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(threads)]
+    figures = _Figures(seconds)
+    pool = [
+        threading.Thread(
+            target=_reader, args=(figures, experts, route, roots, choose, mode, max_range, seed * 1000 + k),
+            daemon=True,
+        )
+        for k in range(threads)
+    ]  # fmt: skip
     for t in pool:
         t.start()
-    while any(t.is_alive() for t in pool):
-        time.sleep(0.25)
-        now = time.monotonic()
-        if now >= deadline:
-            stop.set()  # in-flight samples cover the measured span only
-        if progress:
-            el = min(now, deadline) - t_start
-            print(
-                f"\r  {el:5.1f}s  {total[0] / 1e9:7.2f} GB  {total[0] / 1e9 / el:6.3f} GB/s",
-                end="",
-                file=sys.stderr,
-            )
-    elapsed = seconds
-    stop.set()
+    _wait(pool, figures, stop, progress)
     sampler.join()
-    if progress:
-        print(file=sys.stderr)
-    if errors:
-        raise errors[0]
-    lat.sort()
-
-    def pct(p: float) -> float:
-        return lat[min(len(lat) - 1, int(p * len(lat)))] * 1000 if lat else 0.0
-
+    if figures.errors:
+        raise figures.errors[0]
     return {
         "roots": list(roots),
         "mode": mode,
         "threads": threads,
         "zipf": zipf,
-        "seconds": elapsed,
+        "seconds": seconds,
         "experts_total": len(experts),
         "expert_mb": sum(x.nbytes for x in experts) / len(experts) / 1e6,
-        "bytes": round(total[0]),
-        "experts": total[1],
-        "gb_per_s": total[0] / elapsed / 1e9,
-        "experts_per_s": total[1] / elapsed,
-        "latency_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99)},
+        "bytes": round(figures.bytes),
+        "experts": figures.experts,
+        "gb_per_s": figures.bytes / seconds / 1e9,
+        "experts_per_s": figures.experts / seconds,
+        "latency_ms": {f"p{round(100 * p)}": figures.percentile_ms(p) for p in (0.5, 0.9, 0.99)},
         "inflight": {d: (sum(v) / len(v) if v else None) for d, v in samples.items()},
         "passes": choose.passes,
     }

@@ -57,12 +57,12 @@ def _entry(a: Attr) -> pyfuse3.EntryAttributes:
 class ColiFS(pyfuse3.Operations):
     """Read-only view of the primary's tree whose reads are routed by `Reader`."""
 
-    def __init__(self, ns: Namespace, reader: Reader) -> None:
+    def __init__(self, ns: Namespace, reader: Reader, offload: Callable[..., Awaitable[Any]]) -> None:
         super().__init__()
         self.ns = ns
         self.files = ns.files
         self.reader = reader
-        self.stats = ns.stats
+        self._offload = offload  # runs a blocking call (an xattr reads a header) off the request loop
         self._handles: dict[int, OpenFile | bytes] = {}
         self._next_fh = 1
         self._entries = {
@@ -159,7 +159,7 @@ class ColiFS(pyfuse3.Operations):
 
     @fuse_boundary
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        return await self.reader.workers[0].run(self.ns.xattr, inode, name)
+        return await self._offload(self.ns.xattr, inode, name)
 
     @fuse_boundary
     async def listxattr(self, inode: int, ctx: pyfuse3.RequestContext) -> Sequence[bytes]:

@@ -19,11 +19,11 @@ def _flags() -> dict[str, bool]:
     """`colifs mount`'s options an fstab line may set, read from its parser (so the two never
     drift apart): option name -> takes a value. Not --foreground: mount(8) waits for the helper,
     which returns once the mount serves."""
-    from colifs.cli import _parser
+    from colifs.cli import parser
     from colifs.completion import _subparsers
 
     out = {}
-    for action in _subparsers(_parser())["mount"]._actions:
+    for action in _subparsers(parser())["mount"]._actions:
         longs = [o for o in action.option_strings if o.startswith("--")]
         if longs and longs[0] not in ("--help", "--foreground"):
             out[longs[0][2:].replace("-", "_")] = action.nargs != 0

@@ -151,6 +151,16 @@ def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, lis
         raise LayoutError(f"GGUF version {version} is not supported (2 and 3 are)")
     n_tensors = c.count("tensor", 8 + 4 + 8 + 4 + 8)
     n_kv = c.count("metadata", 8 + 4 + 1)
+    alignment, experts = _metadata(c, n_kv)
+    infos = [_tensor_info(c, alignment) for _ in range(n_tensors)]
+    data_start = -(-c.pos // alignment) * alignment
+    if data_start > MAX_HEADER:
+        raise LayoutError(f"header of {data_start} bytes is over the {MAX_HEADER}-byte limit")
+    return infos, data_start, experts
+
+
+def _metadata(c: _Cursor, n_kv: int) -> tuple[int, int | None]:
+    """The data alignment and the routed-expert count (`<arch>.expert_count`) the metadata states."""
     alignment = DEFAULT_ALIGNMENT
     experts = None
     for _ in range(n_kv):
@@ -161,32 +171,42 @@ def _infos(header: bytes, file_size: int) -> tuple[list[tuple[int, int, str, lis
             if alignment == 0 or alignment & (alignment - 1):
                 raise LayoutError(f"general.alignment {alignment} is not a power of two")
         elif key.endswith(b".expert_count") and key.count(b".") == 1 and vtype == _UINT32:
-            experts = c.u32() or None  # `<arch>.expert_count`: the model's own routed-expert count
+            experts = c.u32() or None
         else:
             c.skip_value(vtype)
-    infos = []
-    for _ in range(n_tensors):
-        name = c.string().decode("utf-8", "replace")
-        n_dims = c.u32()
-        if not 1 <= n_dims <= MAX_DIMS:
-            raise LayoutError(f"tensor {name!r}: {n_dims} dimensions")
-        dims = [c.u64() for _ in range(n_dims)]
-        ttype, offset = c.u32(), c.u64()
-        if ttype not in GGML_TYPES:
-            raise LayoutError(f"tensor {name!r}: unknown ggml type {ttype}")
-        block, block_bytes = GGML_TYPES[ttype]
-        count = 1
-        for d in dims:
-            count *= d
-        if dims[0] % block:
-            raise LayoutError(f"tensor {name!r}: first dimension {dims[0]} is not a multiple of {block}")
-        if offset % alignment:
-            raise LayoutError(f"tensor {name!r}: offset {offset} is not aligned to {alignment}")
-        infos.append((offset, count // block * block_bytes, name, dims))
-    data_start = -(-c.pos // alignment) * alignment
-    if data_start > MAX_HEADER:
-        raise LayoutError(f"header of {data_start} bytes is over the {MAX_HEADER}-byte limit")
-    return infos, data_start, experts
+    return alignment, experts
+
+
+def _tensor_info(c: _Cursor, alignment: int) -> tuple[int, int, str, list[int]]:
+    """One tensor info: (data offset, bytes, name, dims), checked."""
+    name = c.string().decode("utf-8", "replace")
+    n_dims = c.u32()
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise LayoutError(f"tensor {name!r}: {n_dims} dimensions")
+    dims = [c.u64() for _ in range(n_dims)]
+    ttype, offset = c.u32(), c.u64()
+    if ttype not in GGML_TYPES:
+        raise LayoutError(f"tensor {name!r}: unknown ggml type {ttype}")
+    block, block_bytes = GGML_TYPES[ttype]
+    count = 1
+    for d in dims:
+        count *= d
+    if dims[0] % block:
+        raise LayoutError(f"tensor {name!r}: first dimension {dims[0]} is not a multiple of {block}")
+    if offset % alignment:
+        raise LayoutError(f"tensor {name!r}: offset {offset} is not aligned to {alignment}")
+    return offset, count // block * block_bytes, name, dims
+
+
+def _slices(name: str, dims: list[int], nbytes: int, experts: int | None) -> tuple[str, int]:
+    """(why the tensor is keyed the way it is, how many expert slices it is cut into: 0 = whole)."""
+    m = _FUSED.match(name)
+    n_exp = dims[-1] if m and len(dims) >= 2 else 0
+    if n_exp and experts is not None and n_exp != experts:
+        return DISAGREED, 0
+    if n_exp >= 2 and nbytes % n_exp == 0:
+        return (FUSED_CONFIG if experts is not None else FUSED_SHAPE), n_exp
+    return BY_NAME, 0
 
 
 def _layout(
@@ -209,17 +229,11 @@ def _layout(
         if nbytes == 0:
             continue
         first = data_start + offset if starts else data_start  # leading padding: first tensor's
-        m = _FUSED.match(name)
-        n_exp = dims[-1] if m and len(dims) >= 2 else 0
-        cut = n_exp >= 2 and nbytes % n_exp == 0
-        if n_exp and experts is not None and n_exp != experts:
-            reason, cut = DISAGREED, False
+        reason, n_exp = _slices(name, dims, nbytes, experts)
+        if reason == DISAGREED:
             disagreed.append(name)
-        elif cut:
-            reason = FUSED_CONFIG if experts is not None else FUSED_SHAPE
-        else:
-            reason = BY_NAME
-        if cut:
+        if n_exp:
+            m = _FUSED.match(name)
             step = nbytes // n_exp
             for e in range(n_exp):
                 starts.append(first if e == 0 else data_start + offset + e * step)

@@ -64,6 +64,11 @@ class Health:
         """Seconds until the next check read (0 when due)."""
         return max(0.0, self.retry_at - self._clock())
 
+    def next_check(self) -> int:
+        """Count a check read about to run; its number picks what it reads."""
+        self.checks += 1
+        return self.checks
+
     def check_passed(self) -> float:
         """Back in the routing; returns how long it was down (s)."""
         down_for = self._clock() - (self.down_since or self._clock())

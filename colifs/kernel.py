@@ -113,3 +113,19 @@ def tune(mountpoint: str, knobs: Knobs) -> dict[str, int | None]:
         "max_background": _read(os.path.join(conn_dir, "max_background")) if conn_dir else None,
         "congestion_threshold": _read(os.path.join(conn_dir, "congestion_threshold")) if conn_dir else None,
     }
+
+
+class Tuning:
+    """The knobs wanted for one mount, and the values in force once applied (for stats.json)."""
+
+    def __init__(self, knobs: Knobs) -> None:
+        self.knobs = knobs
+        self._applied: dict[str, int | None] = {}
+
+    def apply(self, mountpoint: str) -> dict[str, int | None]:
+        self._applied = tune(mountpoint, self.knobs)
+        return dict(self._applied)
+
+    def applied(self) -> dict[str, int | None]:
+        """Readahead and FUSE queue as read back from sysfs ({} until applied)."""
+        return dict(self._applied)

@@ -139,20 +139,26 @@ def _nbytes(name: str, info: object) -> tuple[int, int, list[int]]:
         raise LayoutError(f"tensor {name!r}: entry lacks dtype, shape or data_offsets")
     if dtype not in DTYPE_BITS:
         raise LayoutError(f"tensor {name!r}: unknown dtype {dtype!r}")
-    if type(shape) is not list:
-        raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
-    count = 1
-    for d in shape:  # one pass checks and multiplies (94k tensors in a big checkpoint)
-        if type(d) is not int or d < 0:
-            raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
-        count *= d
+    bits = _elements(name, shape) * DTYPE_BITS[dtype]
     if not (type(offsets) is list and len(offsets) == 2 and _is_count(offsets[0]) and _is_count(offsets[1])):
         raise LayoutError(f"tensor {name!r}: data_offsets is not [begin, end]")
     begin, end = offsets
-    bits = count * DTYPE_BITS[dtype]
     if end < begin or bits % 8 or bits // 8 != end - begin:
         raise LayoutError(f"tensor {name!r}: data_offsets {offsets} do not match shape {shape} × {dtype}")
     return begin, end, shape
+
+
+def _elements(name: str, shape: object) -> int:
+    """The element count of a shape: a list of non-negative integers (checked in the same pass:
+    a big checkpoint has ~100k tensors)."""
+    if type(shape) is not list:
+        raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
+    count = 1
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise LayoutError(f"tensor {name!r}: shape is not a list of non-negative integers")
+        count *= d
+    return count
 
 
 def _is_count(v: object) -> bool:
@@ -177,14 +183,26 @@ def tensor_key(name: str) -> Key:
     stack = parts[0]
     for j in range(1, at[-1]):
         if stack and "\n" not in stack and parts[j].isdecimal():
-            for k in reversed(at):
-                if k <= j:
-                    break
-                between = ".".join(parts[j + 1 : k])
-                if k == j + 1 or (between and "\n" not in between):
-                    return ExpertKey(stack, int(parts[j]), int(parts[k + 1]))
+            k = _last_experts_after(parts, j, at)
+            if k is not None:
+                return ExpertKey(stack, int(parts[j]), int(parts[k + 1]))
         stack += "." + parts[j]
     return name
+
+
+def _last_experts_after(parts: list[str], j: int, at: list[int]) -> int | None:
+    """The last `experts` component after layer component j with nothing or a one-line run between."""
+    for k in reversed(at):
+        if k <= j:
+            return None
+        between = ".".join(parts[j + 1 : k])
+        if k == j + 1 or (between and "\n" not in between):
+            return k
+    return None
+
+
+Fused = dict[str, tuple[str, int, int, int]]  # name → stack, layer, dim 0, bytes
+Cuts = tuple[dict[str, tuple[str, int, int, str]], dict[str, str]]  # (name → cut, name → why whole)
 
 
 def never_expert(name: str) -> bool:
@@ -192,9 +210,7 @@ def never_expert(name: str) -> bool:
     return any(c in _NOT_EXPERT or "norm" in c for c in name.split("."))
 
 
-def fused_cuts(
-    entries: list[tuple[str, list[int], int]], config: ExpertConfig | None
-) -> tuple[dict[str, tuple[str, int, int, str]], dict[str, str]]:
+def fused_cuts(entries: list[tuple[str, list[int], int]], config: ExpertConfig | None) -> Cuts:
     """Which tensors of a file (name, shape, bytes) are fused experts, and how to cut them.
 
     Returns ({name: (stack, layer, slices, why)}, {name: why it is keyed by name}). With the
@@ -203,24 +219,33 @@ def fused_cuts(
     name. Without a config, dimension 0 is the count, but only when all fused tensors of that layer
     agree on it.
     """
-    found: dict[str, tuple[str, int, int, int]] = {}  # name → stack, layer, dim 0, bytes
+    found: Fused = {}
     for name, shape, nbytes in entries:
         m = _FUSED.match(name)
         if m and len(shape) >= 2 and not never_expert(name) and not isinstance(tensor_key(name), ExpertKey):
             found[name] = (m["stack"], int(m["layer"]), shape[0], nbytes)
+    return _cuts_by_config(found, config) if config is not None else _cuts_by_shape(found)
+
+
+def _cuts_by_config(found: Fused, config: ExpertConfig) -> Cuts:
     cuts: dict[str, tuple[str, int, int, str]] = {}
     by_name: dict[str, str] = {}
-    if config is not None:
-        e = config.count
-        for name, (stack, layer, dim0, nbytes) in found.items():
-            fits = dim0 == e or (_ROW_FUSED.search(name) is not None and dim0 % e == 0)
-            if config.layers is not None and layer not in config.layers:
-                by_name[name] = DENSE_LAYER
-            elif fits and e >= 2 and nbytes % e == 0:
-                cuts[name] = (stack, layer, e, FUSED_CONFIG)
-            else:
-                by_name[name] = DISAGREED
-        return cuts, by_name
+    e = config.count
+    for name, (stack, layer, dim0, nbytes) in found.items():
+        fits = dim0 == e or (_ROW_FUSED.search(name) is not None and dim0 % e == 0)
+        if config.layers is not None and layer not in config.layers:
+            by_name[name] = DENSE_LAYER
+        elif fits and e >= 2 and nbytes % e == 0:
+            cuts[name] = (stack, layer, e, FUSED_CONFIG)
+        else:
+            by_name[name] = DISAGREED
+    return cuts, by_name
+
+
+def _cuts_by_shape(found: Fused) -> Cuts:
+    """Without a config: dimension 0 is the count when every fused tensor of the layer agrees."""
+    cuts: dict[str, tuple[str, int, int, str]] = {}
+    by_name: dict[str, str] = {}
     dims: dict[tuple[str, int], set[int]] = {}
     for stack, layer, dim0, _ in found.values():
         dims.setdefault((stack, layer), set()).add(dim0)

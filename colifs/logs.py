@@ -7,6 +7,8 @@ import logging.handlers
 import os
 import socket
 import sys
+import time
+from collections import deque
 from collections.abc import Hashable
 
 log = logging.getLogger("colifs")
@@ -96,3 +98,18 @@ class WarnOnce:
         if subject not in self._seen:
             self._seen.add(subject)
             log.warning(msg, *args)
+
+
+class RecentWarnings(logging.Handler):
+    """Keeps the latest warnings for stats.json: a daemon's stderr is gone once it is ready."""
+
+    def __init__(self, keep: int = 50) -> None:
+        super().__init__(logging.WARNING)
+        self._lines: deque[str] = deque(maxlen=keep)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
+        self._lines.append(f"{stamp} {one_line(record.getMessage())}")
+
+    def lines(self) -> list[str]:
+        return list(self._lines)

@@ -60,6 +60,53 @@ def _int(section: Mapping, key: str, default: int | None = None) -> int | None:
     return value if type(value) is int else default
 
 
+LayerRule = Callable[[int], bool]  # True: layer i has routed experts
+
+
+def _deepseek(section: Mapping, n: int) -> LayerRule | None:
+    """DeepSeek, GLM-4-MoE, Kimi: dense before first_k_dense_replace, then every moe_layer_freq."""
+    if (k := _int(section, "first_k_dense_replace")) is None:
+        return None
+    freq = max(_int(section, "moe_layer_freq", 1) or 1, 1)
+    return lambda i: i >= k and i % freq == 0
+
+
+def _qwen(section: Mapping, n: int) -> LayerRule | None:
+    """Qwen-MoE: every decoder_sparse_step-th layer, except mlp_only_layers."""
+    if (step := _int(section, "decoder_sparse_step")) is None or step <= 0:
+        return None
+    dense = frozenset(x for x in section.get("mlp_only_layers") or [] if type(x) is int)
+    return lambda i: i not in dense and (i + 1) % step == 0
+
+
+def _jamba(section: Mapping, n: int) -> LayerRule | None:
+    """Jamba: layers expert_layer_offset + k * expert_layer_period."""
+    if (period := _int(section, "expert_layer_period")) is None or period <= 0:
+        return None
+    offset = _int(section, "expert_layer_offset", 0)
+    return lambda i: i % period == offset
+
+
+def _llama4(section: Mapping, n: int) -> LayerRule | None:
+    """Llama-4 (without an explicit moe_layers list): every interleave_moe_layer_step-th layer."""
+    if (step := _int(section, "interleave_moe_layer_step")) is None or step <= 0:
+        return None
+    return lambda i: (i + 1) % step == 0
+
+
+def _ernie(section: Mapping, n: int) -> LayerRule | None:
+    """Ernie-4.5: every moe_layer_interval-th layer between the start and end indices."""
+    if (interval := _int(section, "moe_layer_interval")) is None or interval <= 0:
+        return None
+    lo, hi = _int(section, "moe_layer_start_index", 0) or 0, _int(section, "moe_layer_end_index", n - 1)
+    return lambda i: (i + 1) % interval == 0 and lo <= i <= hi  # type: ignore[operator]
+
+
+# Each family's placement rule, as its modeling code in transformers derives it; a config that
+# states several keys obeys all of them.
+LAYER_RULES = (_deepseek, _qwen, _jamba, _llama4, _ernie)
+
+
 def moe_layers(config: object) -> frozenset[int] | None:
     """The layers with routed experts, as each family's modeling code derives them from its config
     (None: the config does not say, or every layer is MoE)."""
@@ -72,21 +119,7 @@ def moe_layers(config: object) -> frozenset[int] | None:
     listed = section.get("moe_layers")
     if isinstance(listed, list) and all(type(x) is int for x in listed):  # Llama-4
         return frozenset(listed)
-    rules: list[Callable[[int], bool]] = []
-    if (k := _int(section, "first_k_dense_replace")) is not None:  # DeepSeek, GLM-4-MoE, Kimi
-        freq = max(_int(section, "moe_layer_freq", 1) or 1, 1)
-        rules.append(lambda i, k=k, freq=freq: i >= k and i % freq == 0)
-    if (sparse := _int(section, "decoder_sparse_step")) is not None and sparse > 0:  # Qwen-MoE
-        dense = frozenset(x for x in section.get("mlp_only_layers") or [] if type(x) is int)
-        rules.append(lambda i, s=sparse, dense=dense: i not in dense and (i + 1) % s == 0)
-    if (period := _int(section, "expert_layer_period")) is not None and period > 0:  # Jamba
-        offset = _int(section, "expert_layer_offset", 0)
-        rules.append(lambda i, p=period, o=offset: i % p == o)
-    if (inter := _int(section, "interleave_moe_layer_step")) is not None and inter > 0:  # Llama-4
-        rules.append(lambda i, s=inter: (i + 1) % s == 0)
-    if (interval := _int(section, "moe_layer_interval")) is not None and interval > 0:  # Ernie-4.5
-        lo, hi = _int(section, "moe_layer_start_index", 0) or 0, _int(section, "moe_layer_end_index", n - 1)
-        rules.append(lambda i, s=interval, lo=lo, hi=hi: (i + 1) % s == 0 and lo <= i <= hi)
+    rules = [r for rule in LAYER_RULES if (r := rule(section, n)) is not None]
     if not rules:
         return None
     return frozenset(i for i in range(n) if all(rule(i) for rule in rules))

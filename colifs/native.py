@@ -2,7 +2,7 @@
 
 `colifs._native` (native/*.c) serves every request on libfuse's multi-threaded loop without the
 GIL. Python computes what it serves from (inodes, attributes, listings, one run table per file
-from colifs.planner), owns the counter memory it writes (per drive, per key, per file: stats and
+from colifs.readplan), owns the counter memory it writes (per drive, per key, per file: stats and
 usage read it), takes its events (mirror failures → the health policy, changed copies → dropped,
 primary errors → the log) and answers the rare requests it passes up (control files, xattrs).
 """
@@ -27,11 +27,9 @@ from colifs.health import Health
 from colifs.layout import ExpertKey, Key
 from colifs.logs import WarnOnce
 from colifs.namespace import CONTROL_FILES, CONTROL_INO, Namespace
-from colifs.planner import pieces, run_table, usable_weights
+from colifs.readplan import Router, run_table
 from colifs.replicas import Replica, ServedFile
 from colifs.routing import CHUNK
-from colifs.stats import Stats
-from colifs.tree import Tree
 from colifs.usage import Usage
 
 log = logging.getLogger("colifs")
@@ -144,17 +142,13 @@ class NativeCounters:
             db, dr = nbytes - self._taken_keys[2 * k], reads - self._taken_keys[2 * k + 1]
             if db or dr:
                 self._taken_keys[2 * k], self._taken_keys[2 * k + 1] = nbytes, reads
-                row = out.keys.setdefault(key, [0, 0])
-                row[0] += db
-                row[1] += dr
+                out.count(key, db, dr)
         fb, fr = self._file_bytes.tolist(), self._file_reads.tolist()
         for i, f in enumerate(self.files):
             db, dr = fb[i] - self._taken_files[2 * i], fr[i] - self._taken_files[2 * i + 1]
             if db or dr:
                 self._taken_files[2 * i], self._taken_files[2 * i + 1] = fb[i], fr[i]
-                row = out.files.setdefault(f.relpath, [0, 0])
-                row[0] += db
-                row[1] += dr
+                out.count_file(f.relpath, db, dr)
         return out
 
     def restore_usage(self, usage: Usage) -> None:
@@ -176,12 +170,10 @@ class NativeEngine:
 
     def __init__(
         self,
-        tree: Tree,
-        files: Mapping[int, ServedFile],
-        stats: Stats,
+        ns: Namespace,
         counters: NativeCounters,
-        weights: Sequence[float],
-        striping: bool,
+        health: Sequence[Health],
+        router: Router,
         mountpoint: str,
         options: Sequence[str],
         direct: bool,
@@ -190,15 +182,16 @@ class NativeEngine:
         mirror_timeout: float | None,
         prefetch_max: int = 0,
     ) -> None:
-        self.replicas: list[Replica] = stats.replicas
+        self.replicas: list[Replica] = ns.replicas
         if len(self.replicas) > MAX_REPLICAS:
             raise MountError(f"the native engine serves at most {MAX_REPLICAS} replicas (--engine pyfuse3)")
-        self.ns = Namespace(tree, files, stats, self.replicas, self.drive_at)
+        self.ns = ns
+        self.stats = ns.stats
         self.files = list(counters.files)
         self.counters = counters
-        self.health = stats.health
-        self.weights = list(weights)
-        self.striping = striping
+        self.health = health
+        self.weights = router.weights
+        self.striping = router.striping
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
         self.prefetching = prefetch_max > 0
@@ -299,18 +292,18 @@ class NativeEngine:
             return
         assert f is not None
         if kind == _native.EV_PRIMARY_FAILED:
-            self.ns.stats.failed(0, text)
+            self.stats.failed(0, text)
             self._warn((f.relpath, 0), "%s: primary read error: %s", f.relpath, text)
             return
         if kind == _native.EV_MIRROR_CHANGED:
-            self.ns.stats.failed(drive, f"changed since mount: {text}")
+            self.stats.failed(drive, f"changed since mount: {text}")
             self._changed(f, drive, text)
             return
         h = self.health[drive]
         if successes != self._seen_ok[drive]:  # a success since the last failure: not "in a row"
             self._seen_ok[drive] = successes
             h.succeeded()
-        self.ns.stats.failed(drive, text)
+        self.stats.failed(drive, text)
         if h.failed(text, timed_out):
             self.engine.set_up(drive, False)
             log.warning(
@@ -331,12 +324,6 @@ class NativeEngine:
             log.warning(
                 "%s: mirror %s: changed since mount (%s); no longer used for this file", f.relpath, root, what
             )
-
-    def drive_at(self, f: ServedFile, offset: int) -> int:
-        """The drive that serves byte `offset` of `f` now: what the engine's run table says."""
-        down = {d for d, h in enumerate(self.health) if d and not h.up}
-        weights = usable_weights(self.weights, set(f.replicas) - down)
-        return pieces(f, weights, self.striping, offset, offset + 1)[0][2]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -388,16 +375,16 @@ class NativeEngine:
         log.warning("prefetch %s: %.0f%% of the memory is available", state, 100 * share)
 
     async def _check(self, drive: int, h: Health) -> None:
-        h.checks += 1
+        n = h.next_check()
         held = [f for f in self.files if drive in f.replicas and f.size > 0]
-        f = held[h.checks % len(held)] if held else None
+        f = held[n % len(held)] if held else None
         root = self.replicas[drive].root
         try:
             with trio.fail_after(self.mirror_timeout or math.inf):
                 if f is None:  # no file left on it to read: its directory must still be there
                     await trio.to_thread.run_sync(os.stat, root, abandon_on_cancel=True)
                 else:
-                    offset = align_down(h.checks * CHUNK % f.size)
+                    offset = align_down(n * CHUNK % f.size)
                     path = os.path.join(root, f.relpath)
                     await trio.to_thread.run_sync(
                         check_read, self._io, path, f.identities[drive], offset, abandon_on_cancel=True

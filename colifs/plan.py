@@ -7,16 +7,20 @@ shard's name on the mirror is never replaced (colifs does not delete what it did
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from colifs.checks import check_roots
+from colifs.config import given_weights
 from colifs.errors import UsageError
 from colifs.formats import format_of
 from colifs.layout import Layout, LayoutError
 from colifs.moe import Configs
-from colifs.replicas import mirror_problem
+from colifs.probe import probe, weights_from
+from colifs.replicas import Replica, ServedFile, mirror_problem
 from colifs.tree import Tree
 from colifs.usage import (
     COLI_USAGE_NAME,
@@ -51,7 +55,7 @@ def human(n: float) -> str:
     raise AssertionError
 
 
-@dataclass
+@dataclass(frozen=True)
 class Shard:
     """A model file of the primary and what the mirror holds under its name."""
 
@@ -114,15 +118,14 @@ def find_usage(primary: str, given: str | None, shards: Sequence[Shard]) -> tupl
     return Usage(), "no usage history: assuming every byte is read equally (mount the model and use it first)"
 
 
-def estimate(shards: Sequence[Shard], usage: Usage) -> None:
-    """Fill each shard's expected traffic from the usage (or its size without usage)."""
+def estimate(shards: Sequence[Shard], usage: Usage) -> list[Shard]:
+    """The shards with their expected traffic, from the usage (or their size without usage)."""
     layouts = {s.relpath: s.layout for s in shards if s.layout is not None}
     expected = traffic(layouts, usage)
-    for s in shards:
-        s.traffic = expected.get(s.relpath, 0.0)
+    return [dataclasses.replace(s, traffic=expected.get(s.relpath, 0.0)) for s in shards]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Choice:
     shard: Shard
     selected: bool
@@ -171,3 +174,80 @@ def speedup(cov: float, weights: Sequence[float]) -> float:
     share = min(cov, w1 / (w0 + w1))
     time_with = max((1 - share) / w0, share / w1)
     return (1 / w0) / time_with if time_with > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `colifs plan` shows and `colifs stage` copies."""
+
+    replicas: list[Replica]
+    choices: list[Choice]
+    usage_source: str  # where the usage history came from, as a phrase
+    reserve: int
+
+    @property
+    def mirror(self) -> str:
+        return self.replicas[1].root
+
+
+def make_plan(primary: str, mirror: str, budget: str, reserve: str, usage: str | None) -> Plan:
+    """Survey both directories, weigh each shard by its expected traffic, choose within the budget
+    and the mirror's free space minus the reserve. UsageError with one line for bad input."""
+    replicas = check_roots([primary, mirror], error=UsageError)
+    budget_bytes, reserve_bytes = parse_size(budget), parse_size(reserve)
+    shards = survey(replicas[0].root, replicas[1].root)
+    if not shards:
+        raise UsageError(f"{primary} holds no model file (*.safetensors, *.gguf)")
+    history, source = find_usage(replicas[0].root, usage, shards)
+    st = os.statvfs(replicas[1].root)
+    free = st.f_bavail * st.f_frsize
+    choices = choose(estimate(shards, history), budget_bytes, max(0, free - reserve_bytes))
+    return Plan(replicas, choices, source, reserve_bytes)
+
+
+def prediction_weights(flag: str | None, plan: Plan) -> tuple[list[float], str]:
+    """The drive speeds the prediction uses: given, else probed on what the mirror holds, else equal."""
+    weights, source = given_weights(flag, 2)
+    if weights is not None:
+        return weights, source
+    files = [
+        ServedFile(c.shard.relpath, c.shard.size, c.shard.layout, (0, 1) if c.shard.present else (0,))
+        for c in plan.choices
+        if c.shard.layout is not None
+    ]
+    if any(f.replicas == (0, 1) for f in files):
+        results = probe(plan.replicas, files, 2.0)
+        if all(r.mb_per_s for r in results):
+            return weights_from(results), "probed"
+    return [1.0, 1.0], "assumed equal: nothing on the mirror to probe yet; pass --weights"
+
+
+def summary(plan: Plan, weights: list[float], weights_source: str) -> dict:
+    """The plan as `colifs plan --json` prints it (and the table renders it)."""
+    choices = plan.choices
+    total = sum(c.shard.traffic for c in choices) or 1.0
+    cov = coverage(choices)
+    rows, space, cum = [], 0, 0.0
+    for c in choices:
+        if c.selected:
+            space += c.shard.size
+            cum += c.shard.traffic
+        rows.append({
+            "shard": c.shard.relpath,
+            "size": c.shard.size,
+            "traffic_share": c.shard.traffic / total,
+            "action": c.reason,
+            "selected": c.selected,
+            "cumulative_space": space if c.selected else None,
+            "cumulative_coverage": cum / total if c.selected else None,
+        })  # fmt: skip
+    return {
+        "usage": plan.usage_source,
+        "weights": weights,
+        "weights_source": weights_source,
+        "coverage": cov,
+        "bytes_to_copy": sum(c.shard.size for c in choices if c.selected and not c.shard.present),
+        "bytes_on_mirror": sum(c.shard.size for c in choices if c.selected and c.shard.present),
+        "predicted_speedup": speedup(cov, weights),
+        "shards": rows,
+    }

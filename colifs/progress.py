@@ -26,6 +26,10 @@ class Progress:
         self._lock = threading.Lock()
         self.note = ""
 
+    def working_on(self, note: str) -> None:
+        """What the progress line names now (a shard)."""
+        self.note = note
+
     def add(self, n: int) -> None:
         with self._lock:
             self.done += n

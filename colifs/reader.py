@@ -22,11 +22,11 @@ from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.health import Health
 from colifs.layout import ExpertKey
 from colifs.logs import WarnOnce
-from colifs.planner import merge, pieces, usable_weights
+from colifs.readplan import Piece, Router, merge, pieces
+from colifs.recorder import Tally
 from colifs.replicas import Identity, Replica, ServedFile
 from colifs.routing import CHUNK
 from colifs.stats import Stats
-from colifs.usage import Usage
 from colifs.workers import DriveWorkers, TimedOut, gather
 
 log = logging.getLogger("colifs")
@@ -39,8 +39,30 @@ class OpenFile:
     file: ServedFile
     fds: list[int | None]  # per replica; None = not used for this file
     weights: list[float]  # per replica; 0 where fds is None
-    refs: int
     detached: set[int]  # mirrors not opened yet because they were down
+    refs: int = 1
+
+    def hold(self) -> None:
+        self.refs += 1
+
+    def let_go(self) -> bool:
+        """One open fewer; True when it was the last."""
+        self.refs -= 1
+        return self.refs == 0
+
+    def reattach(self, down: set[int]) -> list[int]:
+        """The detached mirrors that are up now: tried once each (no longer detached)."""
+        ready = sorted(self.detached - down)
+        self.detached.difference_update(ready)
+        return ready
+
+    def attach(self, drive: int, fd: int, weight: float) -> None:
+        self.fds[drive] = fd
+        self.weights[drive] = weight
+
+    def stop_using(self, drive: int) -> None:
+        """A mirror copy that changed: no more reads from it (its descriptor closes with the file)."""
+        self.weights[drive] = 0.0
 
 
 class Reader:
@@ -52,22 +74,21 @@ class Reader:
         workers: Sequence[DriveWorkers],
         io: BackingIO,
         stats: Stats,
-        pool: BufferPool | None = None,
-        routing: str = "stripe",
+        health: Sequence[Health],
+        router: Router,
+        tally: Tally | None = None,
         files: Sequence[ServedFile] = (),
-        usage: Usage | None = None,
-        weights: Sequence[float] | None = None,
+        pool: BufferPool | None = None,
     ) -> None:
         self.pool = pool or BufferPool()
-        self.usage = usage  # counts what is served per key and file (None: not counted)
+        self.tally = tally  # counts what is served per key and file (None: not counted)
         # Per replica, for files the mirrors hold (a partial mirror gets more than its plain weight).
-        self.weights = list(weights) if weights is not None else [r.weight for r in replicas]
+        self.weights = router.weights
+        self.striping = router.striping
         self.files = list(files)  # where the health checks of a down mirror read from
-        self.health = [Health() for _ in replicas]  # [0], the primary's, is never failed
-        stats.health = self.health
+        self.health = health  # [0], the primary's, is never failed
         self._down: set[int] = set()
         self._went_down = trio.Event()
-        self.striping = routing == "stripe"
         self.replicas = list(replicas)
         self.workers = list(workers)
         self.io = io
@@ -86,11 +107,11 @@ class Reader:
             if of is None:
                 fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
                 weights = [self.weights[0]] + [0.0] * (len(self.replicas) - 1)
-                of = self._open[f.relpath] = OpenFile(f, fds, weights, 1, set(f.replicas[1:]))
+                of = self._open[f.relpath] = OpenFile(f, fds, weights, set(f.replicas[1:]))
                 await self._attach(of)
                 return of
             self.io.close(fd)  # another task opened it meanwhile
-        of.refs += 1
+        of.hold()
         return of
 
     async def _attach(self, of: OpenFile) -> None:
@@ -99,8 +120,7 @@ class Reader:
         A copy that fails to open is not tried again for this open file (it warns once).
         """
         f = of.file
-        for i in sorted(of.detached - self._down):
-            of.detached.discard(i)
+        for i in of.reattach(self._down):
             if i not in f.replicas:
                 continue
             try:
@@ -113,12 +133,14 @@ class Reader:
             except Changed as e:
                 self._mirror_changed(f, i, str(e))
             else:
-                of.fds[i] = fd
-                of.weights[i] = self.weights[i]
+                of.attach(i, fd, self.weights[i])
+
+    def open_files(self) -> int:
+        """Files with descriptors open now (0 once every open was released)."""
+        return len(self._open)
 
     def release(self, of: OpenFile) -> None:
-        of.refs -= 1
-        if of.refs == 0:
+        if of.let_go():
             del self._open[of.file.relpath]
             for fd in of.fds:
                 if fd is not None:
@@ -138,33 +160,20 @@ class Reader:
     def _path(self, drive: int, f: ServedFile) -> str:
         return os.path.join(self.replicas[drive].root, f.relpath)
 
-    def take_usage(self) -> Usage:
-        """What was counted since the last take (swapped on the loop's thread, where reads count).
-        Only called when usage is kept."""
-        assert self.usage is not None
-        pending, self.usage = self.usage, Usage()
-        return pending
-
-    def restore_usage(self, usage: Usage) -> None:
-        """Taken but not saved: counted again with the next take."""
-        assert self.usage is not None
-        self.usage.add(usage)
-
     # -- reads -------------------------------------------------------------------------------
 
-    def plan(self, of: OpenFile, off: int, end: int, asked: int = 0) -> list[tuple[int, int, int]]:
-        """[off, end) as (start, end, drive) runs (colifs.planner), counting what was asked.
-
-        Usage counts only bytes from `asked` on (the caller's offset before rounding to BLOCK),
-        once per extent; routed bytes per layer count for files a mirror holds.
-        """
-        f = of.file
+    def _pieces(self, of: OpenFile, off: int, end: int) -> list[Piece]:
+        """[off, end) as pieces (colifs.readplan), with the file's weights and the down mirrors out."""
         weights = of.weights
         if self._down:
             weights = [0.0 if i in self._down else w for i, w in enumerate(weights)]
-        plan = pieces(f, weights, self.striping, off, end)
+        return pieces(of.file, weights, self.striping, off, end)
+
+    def _count(self, f: ServedFile, plan: list[Piece], asked: int) -> None:
+        """Count routed bytes per layer (files a mirror holds), and usage: only bytes from `asked` on
+        (the caller's offset before rounding to BLOCK), once per extent."""
         mirrored = len(f.replicas) > 1
-        asked_of: dict[int, int] = {}  # extent -> bytes from `asked` on: one usage count per extent
+        asked_of: dict[int, int] = {}  # extent -> bytes from `asked` on
         for start, stop, drive, extent in plan:
             if extent < 0:
                 continue
@@ -173,15 +182,9 @@ class Reader:
                 asked_of[extent] = asked_of.get(extent, 0) + stop - max(start, asked)
             if mirrored and isinstance(key, ExpertKey):
                 self.stats.routed(f"{key.stack}.{key.layer}", drive, stop - start)
-        if self.usage is not None:
+        if self.tally is not None:
             for extent, nbytes in asked_of.items():
-                self.usage.count(f.layout.keys[extent], nbytes)  # type: ignore[union-attr]
-        return merge(plan)
-
-    def route(self, f: ServedFile, offset: int) -> int:
-        """The drive that serves byte `offset` of `f` now (down mirrors and dropped copies included)."""
-        weights = usable_weights(self.weights, set(f.replicas) - self._down)
-        return pieces(f, weights, self.striping, offset, offset + 1)[0][2]
+                self.tally.count(f.layout.keys[extent], nbytes)  # type: ignore[union-attr]
 
     async def read(self, of: OpenFile, off: int, size: int) -> bytes | memoryview:
         """The primary's bytes [off, off+size), short only at the end of the file.
@@ -194,10 +197,12 @@ class Reader:
             return b""
         if of.detached and not of.detached <= self._down:
             await self._attach(of)  # a mirror that was down when the file was opened is back
-        if self.usage is not None:
-            self.usage.count_file(of.file.relpath, end - off)
+        if self.tally is not None:
+            self.tally.count_file(of.file.relpath, end - off)
         start, stop = align_down(off), align_up(end)
-        runs = snap(self.plan(of, start, end, off), stop)
+        plan = self._pieces(of, start, end)
+        self._count(of.file, plan, off)
+        runs = snap(merge(plan), stop)
         buf = self.pool.take(stop - start)
         # Not back to the pool on an exception, or when a read given up on still writes into it.
         valid, view = await self._read_runs(of, runs, memoryview(buf), off, end)
@@ -250,37 +255,14 @@ class Reader:
         mirror read was given up on) holds valid bytes.
         """
         base = runs[0][0]
-        size = of.file.size
         results = await self._fetch(of, runs, view, base)
         if any(isinstance(r, outcome.Error) and isinstance(r.error, TimedOut) for r in results):
             view = _salvage(runs, results, view, base)
-        redo = []
-        for i, ((s, e, d), result) in enumerate(zip(runs, results, strict=True)):
-            if d == 0:
-                continue
-            if isinstance(result, outcome.Error) and isinstance(result.error, Changed):
-                self.stats.failed(d, f"changed since mount: {result.error}")
-                self.stats.fell_back()
-                self._mirror_changed(of.file, d, str(result.error))
-                of.weights[d] = 0.0
-                redo.append(i)
-                continue
-            timed_out = False
-            if isinstance(result, outcome.Error):
-                timed_out = isinstance(result.error, TimedOut)
-                what = "timeout" if timed_out else "read error"
-                problem = f"{what} at {s}: {_describe(result.error)}"
-            elif result.value < min(e, size) - s:
-                problem = f"short read at {s}: {result.value} of {min(e, size) - s} bytes"
-            else:
-                self.stats.served(d, _overlap(s, e, off, end))
-                self.health[d].succeeded()
-                continue
-            self.stats.failed(d, problem)
-            self.stats.fell_back()
-            self._mirror_failed(d, problem, timed_out)
-            self._mirror_trouble(of.file, d, problem)
-            redo.append(i)
+        redo = [
+            i
+            for i, (run, result) in enumerate(zip(runs, results, strict=True))
+            if run[2] != 0 and not self._mirror_delivered(of, run, result, off, end)
+        ]
         if redo:
             again = await self._fetch(of, [(runs[i][0], runs[i][1], 0) for i in redo], view, base)
             for i, result in zip(redo, again, strict=True):
@@ -298,6 +280,36 @@ class Reader:
             if result.value < e - s:  # end of file (or the file shrank under us)
                 break
         return valid, view
+
+    def _mirror_delivered(
+        self, of: OpenFile, run: tuple[int, int, int], result: outcome.Outcome, off: int, end: int
+    ) -> bool:
+        """Whether a mirror run's read counts; if not, why is recorded (health, stats, one warning)
+        and the caller re-reads it from the primary."""
+        s, e, d = run
+        size = of.file.size
+        if isinstance(result, outcome.Error) and isinstance(result.error, Changed):
+            self.stats.failed(d, f"changed since mount: {result.error}")
+            self.stats.fell_back()
+            self._mirror_changed(of.file, d, str(result.error))
+            of.stop_using(d)
+            return False
+        timed_out = False
+        if isinstance(result, outcome.Error):
+            timed_out = isinstance(result.error, TimedOut)
+            what = "timeout" if timed_out else "read error"
+            problem = f"{what} at {s}: {_describe(result.error)}"
+        elif result.value < min(e, size) - s:
+            problem = f"short read at {s}: {result.value} of {min(e, size) - s} bytes"
+        else:
+            self.stats.served(d, _overlap(s, e, off, end))
+            self.health[d].succeeded()
+            return True
+        self.stats.failed(d, problem)
+        self.stats.fell_back()
+        self._mirror_failed(d, problem, timed_out)
+        self._mirror_trouble(of.file, d, problem)
+        return False
 
     # -- mirror health -----------------------------------------------------------------------
 
@@ -328,14 +340,14 @@ class Reader:
     async def _check(self, drive: int) -> None:
         """One small read from the drive (a different file and offset each time)."""
         h = self.health[drive]
-        h.checks += 1
+        n = h.next_check()
         held = [f for f in self.files if drive in f.replicas and f.size > 0]
-        f = held[h.checks % len(held)] if held else None
+        f = held[n % len(held)] if held else None
         try:
             if f is None:  # no file left on it to read: its directory must still be there
                 await self.workers[drive].run(os.stat, self.replicas[drive].root)
             else:
-                offset = align_down(h.checks * CHUNK % f.size)
+                offset = align_down(n * CHUNK % f.size)
                 await self.workers[drive].run(
                     check_read, self.io, self._path(drive, f), f.identities[drive], offset
                 )

@@ -226,21 +226,10 @@ class StageResult:
     kept: list[str]
 
 
-def stage(
-    primary: str,
-    mirror: str,
-    choices: Sequence[Choice],
-    reserve: int,
-    quiet: bool,
-    say: Callable[[str], None],
-) -> StageResult:
-    """Put every selected shard on the mirror; the receipt once all of them are there."""
-    removed = remove_temporaries(mirror)
-    if removed:
-        say(f"removed {len(removed)} half-copied temporary file(s) of an earlier run")
-    selected = [c.shard for c in choices if c.selected]
-    to_copy = [s for s in selected if not s.present]
-    old = load_receipt(mirror)
+def _copy_all(
+    primary: str, mirror: str, to_copy: Sequence[Shard], reserve: int, quiet: bool
+) -> tuple[list[str], list[dict]]:
+    """Copy each shard (while the reserve allows); the copied names and their receipt entries."""
     entries: list[dict] = []
     copied: list[str] = []
     progress = Progress(sum(s.size for s in to_copy), "copying", quiet)
@@ -253,12 +242,18 @@ def stage(
                 f"stopped: {s.relpath} needs {s.size} bytes, {mirror} has {free} free and the reserve is "
                 f"{reserve}; {len(copied)} of {len(to_copy)} shards copied, no receipt written"
             ).with_code(EXIT_SHORT)
-        progress.note = s.relpath
+        progress.working_on(s.relpath)
         digest = copy_shard(primary, mirror, s.relpath, progress)
         copied.append(s.relpath)
         entries.append(_entry(primary, mirror, s.relpath, s.size, digest))
     progress.finish()
-    kept = [s for s in selected if s.present]
+    return copied, entries
+
+
+def _check_kept(primary: str, mirror: str, kept: Sequence[Shard], old: dict, quiet: bool) -> list[dict]:
+    """Receipt entries for the shards already on the mirror: the old receipt's digest when it still
+    holds, else both copies hashed (and a copy with other data refused)."""
+    entries = []
     unknown = [s for s in kept if _known(old.get(s.relpath), primary, mirror, s) is None]
     check = Progress(2 * sum(s.size for s in unknown), "checking shards already on the mirror", quiet)
     for s in kept:
@@ -273,5 +268,25 @@ def stage(
         entries.append(_entry(primary, mirror, s.relpath, s.size, digest))
     if unknown:
         check.finish()
+    return entries
+
+
+def stage(
+    primary: str,
+    mirror: str,
+    choices: Sequence[Choice],
+    reserve: int,
+    quiet: bool,
+    say: Callable[[str], None],
+) -> StageResult:
+    """Put every selected shard on the mirror; the receipt once all of them are there."""
+    removed = remove_temporaries(mirror)
+    if removed:
+        say(f"removed {len(removed)} half-copied temporary file(s) of an earlier run")
+    selected = [c.shard for c in choices if c.selected]
+    old = load_receipt(mirror)
+    copied, entries = _copy_all(primary, mirror, [s for s in selected if not s.present], reserve, quiet)
+    kept = [s for s in selected if s.present]
+    entries += _check_kept(primary, mirror, kept, old, quiet)
     write_receipt(mirror, primary, entries)
     return StageResult(copied, [s.relpath for s in kept])

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from colifs import __version__
 from colifs.health import Health
-from colifs.logs import one_line
 from colifs.replicas import Replica, ServedFile
 
 
@@ -70,33 +68,43 @@ class Counters:
         row[drive] += nbytes
 
 
+@dataclass(frozen=True)
+class MountInfo:
+    """What a mount is, decided before it serves."""
+
+    mountpoint: str
+    engine: str  # native or pyfuse3
+    routing: str  # stripe or expert
+    weights_source: str
+    probe: tuple[dict, ...] = ()  # the startup bandwidth probe, when weights were probed
+    partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
+
+
 class Stats:
-    """Counters of what each drive actually delivered to the mount (a fallback counts on the primary)."""
+    """Counters of what each drive actually delivered to the mount (a fallback counts on the primary),
+    and the mount's state as its owners report it (health, queues, usage saving, kernel knobs)."""
 
     def __init__(
         self,
         replicas: Sequence[Replica],
-        weights_source: str,
-        mountpoint: str,
-        counters: DriveCounters | None = None,
-        engine: str = "pyfuse3",
+        info: MountInfo,
+        counters: DriveCounters,
+        health: Sequence[Health],
+        in_flight: Callable[[], list[int]],
+        usage: Callable[[], dict] = lambda: {"file": None},
+        kernel: Callable[[], dict] = dict,
+        warnings: Callable[[], list[str]] = list,
     ) -> None:
         self.replicas = list(replicas)
-        self.weights_source = weights_source
-        self.mountpoint = mountpoint
+        self.info = info
         self.started = time.time()
-        n = len(replicas)
-        self.counters: DriveCounters = counters or Counters(n)
-        self.last_error: list[str | None] = [None] * n
-        self.warnings: deque[str] = deque(maxlen=50)
-        self.kernel: dict[str, int | None] = {}  # readahead and FUSE queue, as read back from sysfs
-        self.probe: list[dict] = []  # the startup bandwidth probe, when weights were probed
-        self.routing = "stripe"
-        self.engine = engine
-        self.usage: dict = {"file": None}  # where usage is saved, and how that went
-        self.partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
-        self.in_flight: Callable[[], list[int]] = lambda: [0] * n  # reads queued or running per drive
-        self.health: list[Health] = [Health() for _ in replicas]  # replaced by the reader's
+        self.counters = counters
+        self.health = health  # [0], the primary's, is never failed
+        self.in_flight = in_flight  # reads queued or running per drive
+        self._usage = usage
+        self._kernel = kernel
+        self._warnings = warnings
+        self.last_error: list[str | None] = [None] * len(replicas)
 
     @property
     def bytes_served(self) -> Sequence[int]:
@@ -153,14 +161,14 @@ class Stats:
         return {
             "version": __version__,
             "pid": os.getpid(),
-            "mountpoint": self.mountpoint,
+            "mountpoint": self.info.mountpoint,
             "uptime_s": round(time.time() - self.started, 3),
-            "weights_source": self.weights_source,
-            "routing": self.routing,
-            "engine": self.engine,
+            "weights_source": self.info.weights_source,
+            "routing": self.info.routing,
+            "engine": self.info.engine,
             "prefetch": self.counters.prefetch,
-            "kernel": self.kernel,
-            "probe": self.probe,
+            "kernel": self._kernel(),
+            "probe": list(self.info.probe),
             "replicas": [
                 {
                     "name": name,
@@ -179,8 +187,8 @@ class Stats:
                 for i, (r, name) in enumerate(zip(self.replicas, self.names(), strict=True))
             ],
             "fallbacks": self.fallbacks,
-            "usage": self.usage,
-            "partial_mirror": self.partial,
+            "usage": self._usage(),
+            "partial_mirror": self.info.partial,
             "files": {
                 f.relpath: {
                     "replicas": [self.replicas[i].root for i in f.replicas],
@@ -192,20 +200,8 @@ class Stats:
                 if f.is_model
             },
             "layers_routed_bytes": dict(sorted(self.counters.layers.items())),
-            "recent_warnings": list(self.warnings),
+            "recent_warnings": self._warnings(),
         }
 
     def json(self, files: Sequence[ServedFile]) -> str:
         return json.dumps(self.as_dict(files), indent=1) + "\n"
-
-
-class KeepWarnings(logging.Handler):
-    """Keeps the latest warnings in stats.json: a daemon's stderr is gone once it is ready."""
-
-    def __init__(self, stats: Stats) -> None:
-        super().__init__(logging.WARNING)
-        self._stats = stats
-
-    def emit(self, record: logging.LogRecord) -> None:
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(record.created))
-        self._stats.warnings.append(f"{stamp} {one_line(record.getMessage())}")

@@ -27,6 +27,9 @@ class Node:
     children: dict[bytes, int] = field(default_factory=dict)  # directories only
     target: bytes = b""  # symlinks only
 
+    def add_child(self, name: bytes, ino: int) -> None:
+        self.children[name] = ino
+
     @property
     def is_dir(self) -> bool:
         return stat.S_ISDIR(self.st.st_mode)
@@ -74,17 +77,21 @@ class Tree:
                 log.info("%s: not a file, directory or symlink; not shown", child_rel)
                 continue
             child_ino = self._ino_for(child_rel)
-            node.children[os.fsencode(entry.name)] = child_ino
+            node.add_child(os.fsencode(entry.name), child_ino)
             if stat.S_ISDIR(mode):
                 self._walk(child_rel, child_ino, child_st)
                 continue
-            child = self.nodes[child_ino] = Node(child_ino, child_rel, child_st)
-            if stat.S_ISLNK(mode):
-                try:
-                    child.target = os.fsencode(os.readlink(entry.path))
-                except OSError as e:
-                    log.warning("%s: cannot read symlink (%s)", child_rel, e.strerror)
+            target = _link_target(entry.path, child_rel) if stat.S_ISLNK(mode) else b""
+            self.nodes[child_ino] = Node(child_ino, child_rel, child_st, target=target)
 
     def files(self) -> Iterator[Node]:
         """Every regular file, in walk order."""
         return (n for n in self.nodes.values() if n.is_file)
+
+
+def _link_target(path: str, relpath: str) -> bytes:
+    try:
+        return os.fsencode(os.readlink(path))
+    except OSError as e:
+        log.warning("%s: cannot read symlink (%s)", relpath, e.strerror)
+        return b""

@@ -43,21 +43,21 @@ class Usage:
     files: dict[str, list[int]] = field(default_factory=dict)  # relpath -> [bytes, reads]
     runs: int = 0
 
-    def count(self, key: Key, nbytes: int) -> None:
+    def count(self, key: Key, nbytes: int, reads: int = 1) -> None:
         row = self.keys.get(key)
         if row is None:
-            self.keys[key] = [nbytes, 1]
+            self.keys[key] = [nbytes, reads]
         else:
             row[0] += nbytes
-            row[1] += 1
+            row[1] += reads
 
-    def count_file(self, relpath: str, nbytes: int) -> None:
+    def count_file(self, relpath: str, nbytes: int, reads: int = 1) -> None:
         row = self.files.get(relpath)
         if row is None:
-            self.files[relpath] = [nbytes, 1]
+            self.files[relpath] = [nbytes, reads]
         else:
             row[0] += nbytes
-            row[1] += 1
+            row[1] += reads
 
     def add(self, other: Usage) -> None:
         for mine, theirs in ((self.keys, other.keys), (self.files, other.files)):
@@ -97,19 +97,17 @@ class Usage:
             raise BadUsageFile(
                 f"{where}: version {data.get('version')!r} is newer than this colifs reads ({VERSION})"
             )
-        u = cls(runs=int(data.get("runs", 0)))
+        keys: dict[Key, list[int]] = {}
         try:
             for stack, layers in data.get("experts", {}).items():
                 for layer, experts in layers.items():
-                    for expert, row in experts.items():
-                        u.keys[ExpertKey(stack, int(layer), int(expert))] = _row(row)
-            for name, row in data.get("tensors", {}).items():
-                u.keys[name] = _row(row)
-            for name, row in data.get("files", {}).items():
-                u.files[name] = _row(row)
+                    keys.update({ExpertKey(stack, int(layer), int(e)): _row(r) for e, r in experts.items()})
+            keys.update({name: _row(row) for name, row in data.get("tensors", {}).items()})
+            files = {name: _row(row) for name, row in data.get("files", {}).items()}
+            runs = int(data.get("runs", 0))
         except (AttributeError, TypeError, ValueError) as e:
             raise BadUsageFile(f"{where}: malformed entry ({e})") from None
-        return u
+        return cls(keys, files, runs)
 
 
 def _row(row: object) -> list[int]:
@@ -169,38 +167,46 @@ def read_coli_usage(path: str, key_bytes: Mapping[Key, int], main_stack: str) ->
     except (OSError, UnicodeDecodeError) as e:
         reason = e.strerror if isinstance(e, OSError) else "not ASCII text"
         raise BadUsageFile(f"{path}: cannot read ({reason})") from None
-    u = Usage(runs=1)
+    keys: dict[Key, list[int]] = {}
     dims: tuple[int, int] | None = None
     for n, line in enumerate(lines, 1):
-        parts = line.split()
-        if not parts:
-            continue
-        try:
-            nums = [int(p) for p in parts]
-        except ValueError:
-            raise BadUsageFile(f"{path}:{n}: not numbers: {line[:60]!r}") from None
-        if nums[0] == -2:
-            if len(nums) < 2:
-                raise BadUsageFile(f"{path}:{n}: version line without a version")
-            if nums[1] > COLI_VERSION:
-                raise BadUsageFile(
-                    f"{path}: .coli_usage version {nums[1]} is newer than this colifs reads ({COLI_VERSION})"
-                )
+        nums = _coli_numbers(line, f"{path}:{n}")
+        if not nums or nums[0] == -2:
             continue
         if nums[0] == -1:
-            if len(nums) != 3:
-                raise BadUsageFile(f"{path}:{n}: expected '-1 <n_layers> <n_experts>'")
             dims = (nums[1], nums[2])
             continue
-        if len(nums) != 3 or min(nums) < 0:
-            raise BadUsageFile(f"{path}:{n}: expected '<layer> <expert> <count>'")
         layer, expert, count = nums
         if dims is not None and (layer >= dims[0] or expert >= dims[1]):
             raise BadUsageFile(f"{path}:{n}: layer {layer} expert {expert} outside {dims[0]} x {dims[1]}")
         key = ExpertKey(main_stack, layer, expert)
         if key in key_bytes and count:
-            u.keys[key] = [count * key_bytes[key], count]
-    return u
+            keys[key] = [count * key_bytes[key], count]
+    return Usage(keys=keys, runs=1)
+
+
+def _coli_numbers(line: str, where: str) -> list[int]:
+    """One line of a .coli_usage as checked numbers ([] for a blank line)."""
+    parts = line.split()
+    if not parts:
+        return []
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise BadUsageFile(f"{where}: not numbers: {line[:60]!r}") from None
+    if nums[0] == -2:
+        if len(nums) < 2:
+            raise BadUsageFile(f"{where}: version line without a version")
+        if nums[1] > COLI_VERSION:
+            raise BadUsageFile(
+                f"{where}: .coli_usage version {nums[1]} is newer than this colifs reads ({COLI_VERSION})"
+            )
+    elif nums[0] == -1:
+        if len(nums) != 3:
+            raise BadUsageFile(f"{where}: expected '-1 <n_layers> <n_experts>'")
+    elif len(nums) != 3 or min(nums) < 0:
+        raise BadUsageFile(f"{where}: expected '<layer> <expert> <count>'")
+    return nums
 
 
 def key_sizes(layouts: Iterable[Layout]) -> dict[Key, int]:

@@ -54,6 +54,10 @@ class DriveWorkers:
         self.busy += 1
         self._queue.put((fn, args, deliver))
 
+    def finished(self) -> None:
+        """A submitted job's outcome was taken (on the trio thread): one fewer in flight."""
+        self.busy -= 1
+
     async def run(
         self, fn: Callable[..., Any], *args: Any, on_late: Callable[[outcome.Outcome], None] | None = None
     ) -> Any:
@@ -104,7 +108,7 @@ async def gather(
 
     def done(i: int, workers: DriveWorkers, result: outcome.Outcome) -> None:  # on the trio thread
         nonlocal left, patient, waiting
-        workers.busy -= 1
+        workers.finished()
         if not waiting:  # given up on: the caller has moved on
             if on_late is not None:
                 on_late(i, result)

@@ -237,6 +237,30 @@ def daemon_usage(pid: int) -> tuple[int, int]:
     return rss, fds
 
 
+def _daemon_after(mnt: Path, pid: int, before: tuple[int, int], failures: list[str]) -> tuple[bool, tuple]:
+    """(whether the mount still answers, the daemon's RSS and descriptors); growth is a failure."""
+    alive = True
+    try:
+        json.loads((mnt / ".colifs" / "stats.json").read_bytes())
+        after = daemon_usage(pid)
+    except (OSError, ValueError, StopIteration) as e:
+        alive, after = False, before
+        failures.append(f"the mount is gone after the run: {e}")
+    if after[0] - before[0] > RSS_GROWTH_MB:
+        failures.append(f"daemon RSS grew from {before[0]} to {after[0]} MB")
+    if after[1] - before[1] > FD_GROWTH:
+        failures.append(f"daemon descriptors grew from {before[1]} to {after[1]}")
+    return alive, after
+
+
+def _print_outcomes(outcomes: collections.Counter, procs: int, seconds: float, seed: int) -> None:
+    total = sum(outcomes.values())
+    print(f"{total} requests from {procs} processes in {seconds:g} s ({total / seconds:.0f}/s), seed {seed}")
+    for kind in sorted({k for k, _ in outcomes}):
+        hist = sorted(((n, o) for (k, o), n in outcomes.items() if k == kind), reverse=True)
+        print(f"  {kind:12} " + "  ".join(f"{o} {n}" for n, o in hist))
+
+
 def fuzz(mnt: Path, primary: Path, seconds: float, procs: int, seed: int) -> int:
     """Run the fuzzer; print the report; 0 on a pass."""
     pid = json.loads((mnt / ".colifs" / "stats.json").read_bytes())["pid"]
@@ -249,22 +273,8 @@ def fuzz(mnt: Path, primary: Path, seconds: float, procs: int, seed: int) -> int
         outcomes.update(o)
         failures.extend(f)
     time.sleep(0.5)  # releases reach the daemon after the workers exit
-    alive = True
-    try:
-        json.loads((mnt / ".colifs" / "stats.json").read_bytes())
-        after = daemon_usage(pid)
-    except (OSError, ValueError, StopIteration) as e:
-        alive, after = False, before
-        failures.append(f"the mount is gone after the run: {e}")
-    if after[0] - before[0] > RSS_GROWTH_MB:
-        failures.append(f"daemon RSS grew from {before[0]} to {after[0]} MB")
-    if after[1] - before[1] > FD_GROWTH:
-        failures.append(f"daemon descriptors grew from {before[1]} to {after[1]}")
-    total = sum(outcomes.values())
-    print(f"{total} requests from {procs} processes in {seconds:g} s ({total / seconds:.0f}/s), seed {seed}")
-    for kind in sorted({k for k, _ in outcomes}):
-        hist = sorted(((n, o) for (k, o), n in outcomes.items() if k == kind), reverse=True)
-        print(f"  {kind:12} " + "  ".join(f"{o} {n}" for n, o in hist))
+    alive, after = _daemon_after(mnt, pid, before, failures)
+    _print_outcomes(outcomes, procs, seconds, seed)
     print(f"daemon: RSS {before[0]} -> {after[0]} MB, descriptors {before[1]} -> {after[1]}; "
           f"mount {'alive' if alive else 'GONE'}")  # fmt: skip
     for f in failures[:40]:

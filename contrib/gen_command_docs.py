@@ -51,11 +51,11 @@ def help_text(command: str) -> str:
 
 def pages() -> dict[str, str]:
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: fixed for stable pages
-    from colifs.cli import _parser
+    from colifs.cli import parser
     from colifs.completion import _subparsers
 
     out = {}
-    for name, sub in _subparsers(_parser()).items():
+    for name, sub in _subparsers(parser()).items():
         text = f"# colifs {name}\n\n{sub.description}\n\n```\n{help_text(name).rstrip()}\n```\n"
         if name in EXAMPLES:
             text += f"\n## Examples\n\n```\n{EXAMPLES[name]}\n```\n"

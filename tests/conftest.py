@@ -4,35 +4,39 @@ Mounts run `python -m colifs mount` (the daemon, in its own process) and are alw
 even when a test fails. Every mirror is snapshotted (content hash + mtime of each file) and
 checked unchanged at teardown: colifs never writes to a mirror.
 
+Every daemon a test mounts (tests.helpers.mounted) logs to a file; a warning or error in it fails
+the test unless the test declares it with `@pytest.mark.daemon_warns(pattern, ...)` (as s3ql and
+pyfuse3 fail tests on unexpected log messages): a new warning is a behaviour change to look at.
+
 Tests marked `mounts` run once per engine (native, pyfuse3): the engine reaches every daemon they
-start through COLIFS_ENGINE. They are skipped, with the reason, where /dev/fuse is missing.
+start through COLIFS_ENGINE. Every test in tests/mount is skipped, with the reason, where /dev/fuse
+is missing (tests/mount/conftest.py).
+
+The layers: tests/unit (pure logic, property tests), tests/ops (a mount's object graph from
+`colifs.assemble`, driven with `await ops.read(...)` over a fault-injecting I/O layer, no mount),
+tests/cli (commands that need no mount, run as a user runs them), tests/mount (real mounts).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
+import re
 import shutil
-import subprocess
-import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from colifs.cli import ENGINE_ENV
-from colifs.kernel import mount_type
+from colifs.config import ENGINE_ENV, ENGINES
 from colifs.synth import write_checkpoint
-
-COLIFS = [sys.executable, "-m", "colifs"]
-ENGINES = ("native", "pyfuse3")
+from tests.helpers import daemon_logs, force_unmount
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "mounts: mounts for real; runs once per engine")
+    config.addinivalue_line(
+        "markers", "daemon_warns(*patterns): warnings the test's daemons may log (regular expressions)"
+    )
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -45,69 +49,8 @@ def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     """The engine of a `mounts` test (None elsewhere): the default of every `colifs mount` it runs."""
     name = getattr(request, "param", None)
     if name is not None:
-        if not os.path.exists("/dev/fuse"):
-            pytest.skip("/dev/fuse is missing: no real mounts here")
         monkeypatch.setenv(ENGINE_ENV, name)
     return name
-
-
-def run_colifs(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 60, colifs: list[str] = COLIFS
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [*colifs, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
-    )
-
-
-def is_mounted(path: Path) -> bool:
-    return mount_type(str(path)) is not None
-
-
-def force_unmount(path: Path) -> None:
-    if is_mounted(path):
-        subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True)
-
-
-def snapshot(root: Path) -> dict[str, tuple[str, int]]:
-    """Content hash and mtime of every file under root."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        if p.is_file() and not p.is_symlink():
-            out[str(p.relative_to(root))] = (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_mtime_ns)
-    return out
-
-
-@dataclass
-class Mount:
-    path: Path
-    primary: Path
-    mirrors: list[Path]
-    stderr: str
-
-    def stats(self) -> dict:
-        return json.loads((self.path / ".colifs" / "stats.json").read_text())
-
-
-@contextmanager
-def mounted(
-    primary: Path, mirrors: list[Path], mnt: Path, *extra: str, env=None, colifs: list[str] = COLIFS
-) -> Iterator[Mount]:
-    """Mount with the real CLI (or `colifs`, a command that runs it); unmount (and check every
-    mirror unchanged) whatever happens."""
-    before = {m: snapshot(m) for m in mirrors}
-    mnt.mkdir(exist_ok=True)
-    done = run_colifs("mount", str(primary), *map(str, mirrors), str(mnt), *extra, env=env, colifs=colifs)
-    try:
-        assert done.returncode == 0, done.stderr
-        assert is_mounted(mnt)
-        yield Mount(mnt, primary, mirrors, done.stderr)
-    finally:
-        if is_mounted(mnt):
-            out = run_colifs("umount", str(mnt))
-            force_unmount(mnt)
-            assert out.returncode == 0, out.stderr
-        for m in mirrors:
-            assert snapshot(m) == before[m], f"mirror {m} changed"
 
 
 @pytest.fixture
@@ -121,10 +64,19 @@ def model(tmp_path: Path) -> tuple[Path, Path, Path]:
     force_unmount(mnt)
 
 
-def drop_file_cache(path: Path) -> None:
-    """Evict a file from the page cache (so the next read through a mount reaches the daemon)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+@pytest.fixture(autouse=True)
+def no_unexpected_daemon_warnings(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails the test when a daemon it mounted logged a warning or error it did not declare."""
+    logs = daemon_logs()
+    logs.clear()
+    yield
+    marker = request.node.get_closest_marker("daemon_warns")
+    allowed = [re.compile(p) for p in (marker.args if marker else ())]
+    unexpected = []
+    for path in filter(os.path.exists, logs):  # none when the mount failed (the test says so)
+        with open(path, errors="replace") as f:
+            for line in f:
+                if (" WARNING " in line or " ERROR " in line) and not any(p.search(line) for p in allowed):
+                    unexpected.append(line.rstrip())
+    logs.clear()
+    assert not unexpected, "unexpected daemon warnings:\n" + "\n".join(unexpected[:20])

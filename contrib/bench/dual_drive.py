@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from colifs.synth import write_checkpoint
@@ -170,6 +170,15 @@ def prefetch_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: di
                     )
             with contextlib.suppress(OSError, ValueError):
                 res[f"{routing}-{prefetch}m1"]["prefetch"] = st.get("prefetch")
+    _print_prefetch(args, res, readers)
+    wrapped = [k for k, r in res.items() if r["passes"]]
+    if wrapped:
+        print(f"INVALID: {', '.join(wrapped)} read every expert and began again: raise --model-gb")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "phases": res}, indent=1))
+
+
+def _print_prefetch(args: argparse.Namespace, res: dict[str, dict], readers: list[tuple]) -> None:
     print()
     print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; experts of {res['a']['expert_mb']:.1f} MB")
     cols = [("direct128", "direct ra128"), ("direct512", "direct ra512")]
@@ -183,11 +192,6 @@ def prefetch_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: di
             cells.append(f"{g:.3f} ({g / best:.2f})")
         print(f"{label:<20}" + "".join(f"{c:>15}" for c in cells))
     print("(ratios: to the better of the two direct readaheads)")
-    wrapped = [k for k, r in res.items() if r["passes"]]
-    if wrapped:
-        print(f"INVALID: {', '.join(wrapped)} read every expert and began again: raise --model-gb")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "phases": res}, indent=1))
 
 
 def stripe_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict]) -> None:
@@ -236,7 +240,7 @@ def stripe_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict
 def partial_study(
     args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
 ) -> None:
-    """A mirror drive holding only part of the model (issue 4): learn usage on a skewed workload,
+    """A mirror drive holding only part of the model: learn usage on a skewed workload,
     `colifs plan/stage` a share of the shards onto the slow drive, then read with plain weights and
     with usage-informed (partial-mirror) routing, against a full mirror and the primary alone."""
     a, b = rig.dirs
@@ -323,7 +327,7 @@ FAULTFS = Path(__file__).resolve().parents[2] / "tests" / "faultfs.py"
 def fault_study(
     args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
 ) -> None:
-    """A mirror that fails under load (issue 5): the slow drive is served through the test suite's
+    """A mirror that fails under load: the slow drive is served through the test suite's
     fault-injecting FUSE pass-through; healthy, then hung, then failing with EIO, each on a fresh
     mount: how much of the primary's own speed is left, and what the health state says."""
     a, b = rig.dirs
@@ -368,7 +372,7 @@ def fault_study(
         print(f"{key + ') ' + res[key]['label']:<46} {figures} {h['fallbacks']:>9}")
 
 
-def main() -> int:
+def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", type=float, default=150, help="MB/s of the fast drive (default 150)")
     p.add_argument("--slow", type=float, default=50, help="MB/s of the slow drive (default 50)")
@@ -421,6 +425,22 @@ def main() -> int:
     args = p.parse_args()
     if args.model_gb is None:
         args.model_gb = max(1.0, 1.5 * args.seconds * max(args.fast + args.slow, 2 * args.symmetric) / 1000)
+    return args
+
+
+def _write_model(rig: Rig, args: argparse.Namespace) -> None:
+    print(f"writing a {args.model_gb:g} GB checkpoint to both drives ...", file=sys.stderr)
+    # An expert is 3 projections of hidden × inter uint8 (plus tiny scales); hidden 2048.
+    inter = max(32, round(args.expert_mb * 1e6 / 3 / 2048 / 32) * 32)
+    experts = 32
+    layers = max(1, round(args.model_gb * 1e9 / (experts * 3 * 2048 * inter)))
+    write_checkpoint(str(rig.dirs[0]), "deepseek", layers, experts, hidden=2048, inter=inter, shards=8)
+    shutil.copytree(rig.dirs[0], rig.dirs[1])
+    settle()
+
+
+def main() -> int:
+    args = _parse()
     if os.geteuid() != 0:
         print("dual-drive: needs root (loop devices, mounts, blkio cgroup)", file=sys.stderr)
         return 2
@@ -438,149 +458,152 @@ def main() -> int:
     try:
         rig = Rig(work, image_gb=args.model_gb * 1.6 + 0.3)  # room for the dense layers of small experts
         devs = rig.devnames()
-        print(f"writing a {args.model_gb:g} GB checkpoint to both drives ...", file=sys.stderr)
-        # An expert is 3 projections of hidden × inter uint8 (plus tiny scales); hidden 2048.
-        inter = max(32, round(args.expert_mb * 1e6 / 3 / 2048 / 32) * 32)
-        experts = 32
-        layers = max(1, round(args.model_gb * 1e9 / (experts * 3 * 2048 * inter)))
-        write_checkpoint(str(rig.dirs[0]), "deepseek", layers, experts, hidden=2048, inter=inter, shards=8)
-        shutil.copytree(rig.dirs[0], rig.dirs[1])
-        settle()
+        _write_model(rig, args)
         mnt = work / "mnt"
         mnt.mkdir()
-        f, s = args.fast, args.slow
-        rig.throttle(f, s)
+        rig.throttle(args.fast, args.slow)
         res: dict[str, dict] = {}
-        labels: dict[str, str] = {}
-        a, b = rig.dirs
 
         def phase(key: str, label: str, dirs: list[Path], *extra: str) -> None:
             print(f"{key}) {label} ...", file=sys.stderr)
-            labels[key] = label
             res[key] = bench(dirs, args, devs, *extra)
             res[key]["label"] = label
 
+        a, b = rig.dirs
         phase("a", "primary directly", [a])
         phase("b", "mirror directly", [b])
-        if args.stripe_study:
-            stripe_study(args, phase, rig, mnt, res)
-            return 0
-        if args.prefetch_study:
-            prefetch_study(args, phase, rig, mnt, res)
-            return 0
-        if args.partial_study:
-            partial_study(args, phase, rig, mnt, res, work)
-            return 0
-        if args.fault_study:
-            fault_study(args, phase, rig, mnt, res, work)
-            return 0
-        phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
-        with colifs_mount([a], mnt, "--no-probe"):
-            phase("d", "colifs, no mirror", [mnt])
-        with colifs_mount([a, b], mnt) as st:
-            probed = [r["weight"] for r in st["replicas"]]
-            phase("e", "colifs, probed weights", [mnt])
-            phase("e_mmap", "colifs, probed, mmap readers", [mnt], "--mmap")
-            phase("e_buf", "colifs, probed, buffered readers", [mnt], "--buffered")
-            phase("e_1", "colifs, probed, 1 O_DIRECT reader", [mnt], "--threads", "1")
-        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}"):
-            phase("f", f"colifs, --weights {f:g},{s:g}", [mnt])
-            phase("f_buf", f"colifs, --weights {f:g},{s:g}, buffered readers", [mnt], "--buffered")
-        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", "--backing-io", "buffered"):
-            phase("fb", "colifs, same, --backing-io buffered", [mnt])
-            phase("fb_buf", "colifs, same, --backing-io buffered, buffered readers", [mnt], "--buffered")
-        with colifs_mount([a, b], mnt, "--weights", "1,1"):
-            phase("g", "colifs, --weights 1,1 (wrong)", [mnt])
-        phase("a_again", "primary directly, again (rig check)", [a])
-        sweep = [int(x) for x in args.sweep_readahead.split(",") if x]
-        for kb in sweep:
-            with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", "--readahead-kb", str(kb)):
-                for mode in ("mmap", "buffered"):
-                    for threads in (args.threads, 1):
-                        phase(
-                            f"ra{kb}_{mode}_{threads}",
-                            f"readahead {kb} KiB, {mode}, {threads} reader(s)",
-                            [mnt],
-                            f"--{mode}",
-                            "--threads",
-                            str(threads),
-                        )
-        rig.throttle(args.symmetric, args.symmetric)
-        phase("a2", f"one drive directly, both at {args.symmetric:g}", [a])
-        with colifs_mount([a, b], mnt) as st2:
-            probed_sym = [r["weight"] for r in st2["replicas"]]
-            phase("h", "colifs, symmetric pair, probed", [mnt])
-
-        print()
-        print(
-            f"drives: fast {f:g} MB/s, slow {s:g} MB/s (blkio throttle on loop-backed ext4); "
-            f"{args.threads} readers, {args.seconds:g} s per phase, cold caches, "
-            f"experts of {res['a']['expert_mb']:.1f} MB"
-        )
-        head = f"{'phase':<44} {'GB/s':>7} {'experts/s':>10} {'p50 ms':>7} {'p99 ms':>7}"
-        print(f"{head} {'in flight fast/slow':>20}")
-        wrapped = [k for k, r in res.items() if r["passes"]]
-        for key, r in res.items():
-            infl = r["inflight"]
-            fl = "/".join("-" if infl.get(d) is None else f"{infl[d]:.1f}" for d in devs)
-            lat = r["latency_ms"]
-            print(
-                f"{key + ') ' + labels[key]:<44} {r['gb_per_s']:>7.3f} {r['experts_per_s']:>10.1f}"
-                f" {lat['p50']:>7.1f} {lat['p99']:>7.1f} {fl:>20}"
-            )
-        if wrapped:
-            print(
-                f"INVALID: {', '.join(wrapped)} read every expert and began again (cache hits): "
-                "raise --model-gb"
-            )
-        g = {k: v["gb_per_s"] for k, v in res.items()}
-        ratio = probed[0] / probed[1]
-        print()
-        err = (ratio / (f / s) - 1) * 100
-        print(
-            f"probed weights {probed[0]:g},{probed[1]:g}: ratio {ratio:.2f} vs true {f / s:.2f} ({err:+.1f}%)"
-        )
-        print(f"symmetric pair probed {probed_sym[0]:g},{probed_sym[1]:g}")
-        ratios = [
-            ("e/c", "colifs vs the two drives' limit", g["e"] / g["c"], ">= 0.95"),
-            ("e/a", "colifs pair vs the fast drive alone", g["e"] / g["a"], ""),
-            ("d/a", "FUSE cost at drive speed", g["d"] / g["a"], ">= 0.95"),
-            ("g/f", "wrong weights 1,1 vs right", g["g"] / g["f"], ""),
-            ("fb/f", "buffered backing vs O_DIRECT backing", g["fb"] / g["f"], ""),
-            ("fb_buf/f_buf", "the same, buffered readers", g["fb_buf"] / g["f_buf"], ""),
-            ("h/a2", "symmetric pair vs one drive", g["h"] / g["a2"], ">= 1.9"),
-            ("e_mmap/e", "mmap readers vs O_DIRECT readers", g["e_mmap"] / g["e"], ">= 0.90"),
-            ("e_buf/e", "buffered readers vs O_DIRECT readers", g["e_buf"] / g["e"], ">= 0.90"),
-        ]
-        for name, what, value, target in ratios:
-            print(f"{name:<9} {what:<40} {value:6.3f}   {('target ' + target) if target else ''}")
-        if sweep:
-            print()
-            print(
-                f"readahead sweep, colifs --weights {f:g},{s:g}: GB/s (ratio to O_DIRECT readers, same count)"
-            )
-            print(
-                f"{'read_ahead_kb':>13} {'mmap x' + str(args.threads):>16} {'mmap x1':>16} "
-                f"{'buffered x' + str(args.threads):>16} {'buffered x1':>16}"
-            )
-            for kb in sweep:
-                cells = []
-                for mode in ("mmap", "buffered"):
-                    for threads, ref in ((args.threads, g["e"]), (1, g["e_1"])):
-                        v = g[f"ra{kb}_{mode}_{threads}"]
-                        cells.append(f"{v:.3f} ({v / ref:.2f})")
-                print(f"{kb:>13} " + " ".join(f"{c:>16}" for c in cells))
+        studies = {"stripe_study": stripe_study, "prefetch_study": prefetch_study}
+        for name, study in studies.items():
+            if getattr(args, name):
+                study(args, phase, rig, mnt, res)
+                return 0
+        for name, study in {"partial_study": partial_study, "fault_study": fault_study}.items():
+            if getattr(args, name):
+                study(args, phase, rig, mnt, res, work)
+                return 0
+        probed = full_study(args, phase, rig, mnt, res, devs)
         if args.json:
             Path(args.json).write_text(
                 json.dumps({"args": vars(args), "probed": probed, "phases": res}, indent=1)
             )
     finally:
-        for m in (work / "mnt",):
-            subprocess.run(["fusermount3", "-u", "-z", str(m)], capture_output=True)
+        subprocess.run(["fusermount3", "-u", "-z", str(work / "mnt")], capture_output=True)
         if rig is not None:
             rig.close()
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def full_study(
+    args: argparse.Namespace, phase: Callable, rig: Rig, mnt: Path, res: dict[str, dict], devs: list[str]
+) -> list[float]:
+    """Every default phase: the limit, colifs without and with the mirror (probed, given, wrong
+    weights, buffered backing), the readahead sweep, a symmetric pair; then the tables. Returns
+    the probed weights."""
+    f, s = args.fast, args.slow
+    a, b = rig.dirs
+    phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
+    with colifs_mount([a], mnt, "--no-probe"):
+        phase("d", "colifs, no mirror", [mnt])
+    with colifs_mount([a, b], mnt) as st:
+        probed = [r["weight"] for r in st["replicas"]]
+        phase("e", "colifs, probed weights", [mnt])
+        phase("e_mmap", "colifs, probed, mmap readers", [mnt], "--mmap")
+        phase("e_buf", "colifs, probed, buffered readers", [mnt], "--buffered")
+        phase("e_1", "colifs, probed, 1 O_DIRECT reader", [mnt], "--threads", "1")
+    with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}"):
+        phase("f", f"colifs, --weights {f:g},{s:g}", [mnt])
+        phase("f_buf", f"colifs, --weights {f:g},{s:g}, buffered readers", [mnt], "--buffered")
+    with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", "--backing-io", "buffered"):
+        phase("fb", "colifs, same, --backing-io buffered", [mnt])
+        phase("fb_buf", "colifs, same, --backing-io buffered, buffered readers", [mnt], "--buffered")
+    with colifs_mount([a, b], mnt, "--weights", "1,1"):
+        phase("g", "colifs, --weights 1,1 (wrong)", [mnt])
+    phase("a_again", "primary directly, again (rig check)", [a])
+    sweep = [int(x) for x in args.sweep_readahead.split(",") if x]
+    for kb in sweep:
+        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", "--readahead-kb", str(kb)):
+            for mode in ("mmap", "buffered"):
+                for threads in (args.threads, 1):
+                    label = f"readahead {kb} KiB, {mode}, {threads} reader(s)"
+                    phase(f"ra{kb}_{mode}_{threads}", label, [mnt], f"--{mode}", "--threads", str(threads))
+    rig.throttle(args.symmetric, args.symmetric)
+    phase("a2", f"one drive directly, both at {args.symmetric:g}", [a])
+    with colifs_mount([a, b], mnt) as st2:
+        probed_sym = [r["weight"] for r in st2["replicas"]]
+        phase("h", "colifs, symmetric pair, probed", [mnt])
+    _print_phases(args, res, devs)
+    _print_ratios(args, res, probed, probed_sym)
+    if sweep:
+        _print_sweep(args, res, sweep)
+    return probed
+
+
+def _print_phases(args: argparse.Namespace, res: dict[str, dict], devs: list[str]) -> None:
+    print()
+    print(
+        f"drives: fast {args.fast:g} MB/s, slow {args.slow:g} MB/s (blkio throttle on loop-backed ext4); "
+        f"{args.threads} readers, {args.seconds:g} s per phase, cold caches, "
+        f"experts of {res['a']['expert_mb']:.1f} MB"
+    )
+    head = f"{'phase':<44} {'GB/s':>7} {'experts/s':>10} {'p50 ms':>7} {'p99 ms':>7}"
+    print(f"{head} {'in flight fast/slow':>20}")
+    for key, r in res.items():
+        infl = r["inflight"]
+        fl = "/".join("-" if infl.get(d) is None else f"{infl[d]:.1f}" for d in devs)
+        lat = r["latency_ms"]
+        print(
+            f"{key + ') ' + r['label']:<44} {r['gb_per_s']:>7.3f} {r['experts_per_s']:>10.1f}"
+            f" {lat['p50']:>7.1f} {lat['p99']:>7.1f} {fl:>20}"
+        )
+    wrapped = [k for k, r in res.items() if r["passes"]]
+    if wrapped:
+        print(
+            f"INVALID: {', '.join(wrapped)} read every expert and began again (cache hits): raise --model-gb"
+        )
+
+
+def _print_ratios(
+    args: argparse.Namespace, res: dict[str, dict], probed: list[float], probed_sym: list[float]
+) -> None:
+    f, s = args.fast, args.slow
+    g = {k: v["gb_per_s"] for k, v in res.items()}
+    ratio = probed[0] / probed[1]
+    print()
+    err = (ratio / (f / s) - 1) * 100
+    print(f"probed weights {probed[0]:g},{probed[1]:g}: ratio {ratio:.2f} vs true {f / s:.2f} ({err:+.1f}%)")
+    print(f"symmetric pair probed {probed_sym[0]:g},{probed_sym[1]:g}")
+    ratios = [
+        ("e/c", "colifs vs the two drives' limit", g["e"] / g["c"], ">= 0.95"),
+        ("e/a", "colifs pair vs the fast drive alone", g["e"] / g["a"], ""),
+        ("d/a", "FUSE cost at drive speed", g["d"] / g["a"], ">= 0.95"),
+        ("g/f", "wrong weights 1,1 vs right", g["g"] / g["f"], ""),
+        ("fb/f", "buffered backing vs O_DIRECT backing", g["fb"] / g["f"], ""),
+        ("fb_buf/f_buf", "the same, buffered readers", g["fb_buf"] / g["f_buf"], ""),
+        ("h/a2", "symmetric pair vs one drive", g["h"] / g["a2"], ">= 1.9"),
+        ("e_mmap/e", "mmap readers vs O_DIRECT readers", g["e_mmap"] / g["e"], ">= 0.90"),
+        ("e_buf/e", "buffered readers vs O_DIRECT readers", g["e_buf"] / g["e"], ">= 0.90"),
+    ]
+    for name, what, value, target in ratios:
+        print(f"{name:<9} {what:<40} {value:6.3f}   {('target ' + target) if target else ''}")
+
+
+def _print_sweep(args: argparse.Namespace, res: dict[str, dict], sweep: list[int]) -> None:
+    g = {k: v["gb_per_s"] for k, v in res.items()}
+    print()
+    print(f"readahead sweep, colifs --weights {args.fast:g},{args.slow:g}: GB/s (ratio to O_DIRECT readers, "
+          "same count)")  # fmt: skip
+    print(
+        f"{'read_ahead_kb':>13} {'mmap x' + str(args.threads):>16} {'mmap x1':>16} "
+        f"{'buffered x' + str(args.threads):>16} {'buffered x1':>16}"
+    )
+    for kb in sweep:
+        cells = []
+        for mode in ("mmap", "buffered"):
+            for threads, ref in ((args.threads, g["e"]), (1, g["e_1"])):
+                v = g[f"ra{kb}_{mode}_{threads}"]
+                cells.append(f"{v:.3f} ({v / ref:.2f})")
+        print(f"{kb:>13} " + " ".join(f"{c:>16}" for c in cells))
 
 
 if __name__ == "__main__":

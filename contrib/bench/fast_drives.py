@@ -255,24 +255,29 @@ def report(
         print(f"{name:<9} {what:<46} {value:6.3f}   {('target ' + target) if target else ''}")
     print(f"native daemon CPU: {cpu('n')} s/GB (target <= 0.45); pyfuse3: {cpu('p')} s/GB")
     if sweep:
-        print()
-        print("sweep (slow drive = fast / 3), 16 readers, MB/s:")
+        _print_sweep(res, sweep, cpu)
+
+
+def _print_sweep(res: dict[str, dict], sweep: list[float], cpu: Callable[[str], str]) -> None:
+    g = {k: r["gb_per_s"] * 1000 for k, r in res.items()}  # MB/s
+    print()
+    print("sweep (slow drive = fast / 3), 16 readers, MB/s:")
+    print(
+        f"{'fast':>6} {'directly':>9} {'limit':>7} {'colifs':>7} {'vs fast':>8} {'of limit':>9} "
+        f"{'CPU s/GB':>9}"
+    )
+    cpu_bound = None
+    for fast in sweep:
+        k = f"s{fast:g}"
+        ratio = g[k + "n"] / g[k + "a"]
+        if cpu_bound is None and g[k + "n"] / g[k + "c"] < 0.9:
+            cpu_bound = fast
         print(
-            f"{'fast':>6} {'directly':>9} {'limit':>7} {'colifs':>7} {'vs fast':>8} {'of limit':>9} "
-            f"{'CPU s/GB':>9}"
+            f"{fast:>6g} {g[k + 'a']:>9.0f} {g[k + 'c']:>7.0f} {g[k + 'n']:>7.0f} {ratio:>8.2f} "
+            f"{g[k + 'n'] / g[k + 'c']:>9.2f} {cpu(k + 'n'):>9}"
         )
-        cpu_bound = None
-        for fast in sweep:
-            k = f"s{fast:g}"
-            ratio = g[k + "n"] / g[k + "a"]
-            if cpu_bound is None and g[k + "n"] / g[k + "c"] < 0.9:
-                cpu_bound = fast
-            print(
-                f"{fast:>6g} {g[k + 'a']:>9.0f} {g[k + 'c']:>7.0f} {g[k + 'n']:>7.0f} {ratio:>8.2f} "
-                f"{g[k + 'n'] / g[k + 'c']:>9.2f} {cpu(k + 'n'):>9}"
-            )
-        where = f"{cpu_bound:g} + {cpu_bound / 3:g} MB/s" if cpu_bound else "none of these speeds"
-        print(f"first speed where colifs gets < 0.90 of the limit (this machine's CPU): {where}")
+    where = f"{cpu_bound:g} + {cpu_bound / 3:g} MB/s" if cpu_bound else "none of these speeds"
+    print(f"first speed where colifs gets < 0.90 of the limit (this machine's CPU): {where}")
 
 
 if __name__ == "__main__":

@@ -92,7 +92,7 @@ def run_engine(py: str, model: Path, args: argparse.Namespace, mode: str, cg: Me
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def main() -> int:
+def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", type=float, default=150)
     p.add_argument("--slow", type=float, default=50)
@@ -101,7 +101,70 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="mmap", help="llama.cpp load modes: mmap,none,direct (default mmap)")
     p.add_argument("--json", metavar="FILE")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+Config = tuple[str, list[str] | None, int]  # label, colifs flags (None: the fast drive directly), readahead
+
+
+def _configs(args: argparse.Namespace) -> list[Config]:
+    w = f"{args.fast:g},{args.slow:g}"
+    return [
+        ("fast drive directly, readahead 128 KiB", None, 128),
+        ("fast drive directly, readahead 512 KiB", None, 512),
+        ("colifs, both drives (defaults)", ["--weights", w], 128),
+        ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
+        ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
+    ]
+
+
+def _one_run(
+    py: str, rig: Rig, cg: MemoryCgroup, mnt: Path, args: argparse.Namespace, mode: str, config: Config
+) -> dict:
+    """One engine run of one configuration, caches dropped; the daemon (if any) in the engine's
+    memory cgroup, whose limit grows by the daemon's RSS and buffers."""
+    _, flags, kb = config
+    a, b = rig.dirs
+    Path(f"/sys/block/{rig.devnames()[0]}/queue/read_ahead_kb").write_text(f"{kb}\n")
+    if flags is None:
+        cg.set_limit(args.mem_mib)
+        return run_engine(py, a / "model.gguf", args, mode, cg)
+    with colifs_mount([a, b], mnt, *flags) as st:
+        cg.add(st["pid"])
+        cg.set_limit(args.mem_mib + rss_mib(st["pid"]) + DAEMON_BUFFERS_MIB)
+        r = run_engine(py, mnt / "model.gguf", args, mode, cg)
+        (MEMORY_ROOT / "cgroup.procs").write_text(f"{st['pid']}\n")
+    return r
+
+
+def _print_results(
+    args: argparse.Namespace, configs: list[Config], results: dict[str, dict[str, list[dict]]]
+) -> None:
+    print()
+    print(
+        f"llama.cpp (xllamacpp) decoding {args.tokens} tokens; drives {args.fast:g} + {args.slow:g} "
+        f"MB/s; engine memory cgroup {args.mem_mib} MiB; {args.repeats} runs each, interleaved"
+    )
+    for mode, by in results.items():
+        ref_text = by[configs[0][0]][0]["text"]
+        best = max(statistics.median(x["decode_tok_s"] for x in by[c[0]]) for c in configs[:2])
+        print(f"\nload mode {mode}:")
+        print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
+              f"{'prompt tok/s':>13} {'load s':>7} {'tokens equal':>13}")  # fmt: skip
+        for label, _, _ in configs:
+            runs = by[label]
+            d = [x["decode_tok_s"] for x in runs]
+            same = all(x["text"] == ref_text for x in runs)
+            print(
+                f"{label:<42} {statistics.median(d):>13.2f} {f'{min(d):.2f}-{max(d):.2f}':>13} "
+                f"{statistics.median(d) / best:>15.2f} "
+                f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
+                f"{statistics.median(x['load_s'] for x in runs):>7.2f} {'yes' if same else 'NO':>13}"
+            )
+
+
+def main() -> int:
+    args = _parse()
     py = os.environ.get("ENGINE_PYTHON", str(Path(__file__).parents[2] / ".venv-engines/bin/python"))
     vocab = Path(os.environ.get("COLIFS_GGUF_VOCAB_DIR", Path(__file__).parents[2] / ".cache/gguf-vocab"))
     vocab /= "ggml-vocab-qwen2.gguf"
@@ -133,56 +196,19 @@ def main() -> int:
         cg = MemoryCgroup(args.mem_mib)
         mnt = work / "mnt"
         mnt.mkdir()
-        loop = rig.devnames()[0]
-        w = f"{args.fast:g},{args.slow:g}"
-        configs: list[tuple[str, list[str] | None, int]] = [
-            ("fast drive directly, readahead 128 KiB", None, 128),
-            ("fast drive directly, readahead 512 KiB", None, 512),
-            ("colifs, both drives (defaults)", ["--weights", w], 128),
-            ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
-            ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
-        ]
+        configs = _configs(args)
         results: dict[str, dict[str, list[dict]]] = {}
         for rep in range(args.repeats):
             for mode in args.modes.split(","):
-                for label, flags, kb in configs:
-                    print(f"run {rep + 1}/{args.repeats}: {mode}: {label} ...", file=sys.stderr)
-                    Path(f"/sys/block/{loop}/queue/read_ahead_kb").write_text(f"{kb}\n")
-                    if flags is None:
-                        cg.set_limit(args.mem_mib)
-                        r = run_engine(py, a / "model.gguf", args, mode, cg)
-                    else:
-                        with colifs_mount([a, b], mnt, *flags) as st:
-                            cg.add(st["pid"])
-                            cg.set_limit(args.mem_mib + rss_mib(st["pid"]) + DAEMON_BUFFERS_MIB)
-                            r = run_engine(py, mnt / "model.gguf", args, mode, cg)
-                            (MEMORY_ROOT / "cgroup.procs").write_text(f"{st['pid']}\n")
-                    results.setdefault(mode, {}).setdefault(label, []).append(r)
+                for config in configs:
+                    print(f"run {rep + 1}/{args.repeats}: {mode}: {config[0]} ...", file=sys.stderr)
+                    r = _one_run(py, rig, cg, mnt, args, mode, config)
+                    results.setdefault(mode, {}).setdefault(config[0], []).append(r)
                     if args.json:  # after every run: a failure later loses nothing measured
                         Path(args.json).write_text(
                             json.dumps({"args": vars(args), "results": results}, indent=1)
                         )
-        print()
-        print(
-            f"llama.cpp (xllamacpp) decoding {args.tokens} tokens; drives {args.fast:g} + {args.slow:g} "
-            f"MB/s; engine memory cgroup {args.mem_mib} MiB; {args.repeats} runs each, interleaved"
-        )
-        for mode, by in results.items():
-            ref_text = by[configs[0][0]][0]["text"]
-            best = max(statistics.median(x["decode_tok_s"] for x in by[c[0]]) for c in configs[:2])
-            print(f"\nload mode {mode}:")
-            print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
-                  f"{'prompt tok/s':>13} {'load s':>7} {'tokens equal':>13}")  # fmt: skip
-            for label, _, _ in configs:
-                runs = by[label]
-                d = [x["decode_tok_s"] for x in runs]
-                same = all(x["text"] == ref_text for x in runs)
-                print(
-                    f"{label:<42} {statistics.median(d):>13.2f} {f'{min(d):.2f}-{max(d):.2f}':>13} "
-                    f"{statistics.median(d) / best:>15.2f} "
-                    f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
-                    f"{statistics.median(x['load_s'] for x in runs):>7.2f} {'yes' if same else 'NO':>13}"
-                )
+        _print_results(args, configs, results)
         return 0
     finally:
         subprocess.run([*COLIFS, "umount", "--lazy", str(work / "mnt")], capture_output=True)

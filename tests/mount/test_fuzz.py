@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import mounted
+from tests.helpers import ROOT, mounted
 
 pytestmark = pytest.mark.mounts
 
-FUZZER = Path(__file__).parent.parent / "contrib" / "fuzz_mount.py"
+FUZZER = ROOT / "contrib" / "fuzz_mount.py"
 
 
 def test_the_request_fuzzer_finds_nothing(model, tmp_path: Path) -> None:

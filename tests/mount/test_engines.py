@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from colifs.config import ENGINES
 from colifs.synth import write_checkpoint
-from tests.conftest import ENGINES, mounted, run_colifs
-from tests.test_mount import read_direct, shards
+from tests.helpers import mounted, read_direct, run_colifs, shards
 
 
 def served_by_drive(mnt: Path) -> list[int]:

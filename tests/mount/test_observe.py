@@ -1,4 +1,4 @@
-"""Seeing what the mount does (issue 7, part 2): xattrs, `colifs route`, `--prometheus`, `top`."""
+"""Seeing what the mount does: xattrs, `colifs route`, `--prometheus`, `top`."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from colifs.formats import format_of
 from colifs.layout import ExpertKey
-from tests.conftest import mounted, run_colifs
-from tests.test_mount import read_direct
+from tests.helpers import mounted, read_direct, run_colifs
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
 
+@pytest.mark.daemon_warns("missing; served without this mirror")
 def test_replicas_xattr_lists_the_valid_copies(model) -> None:
     primary, mirror, mnt = model
     shards = sorted(primary.glob("*.safetensors"))

@@ -1,5 +1,5 @@
 """Bad input at mount: every malformed file is one warning line naming it and the reason, is served
-as plain bytes from the primary, and the good files beside it are still routed (issue 5, part 3)."""
+as plain bytes from the primary, and the good files beside it are still routed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from colifs.synth import write_checkpoint
-from tests.conftest import mounted
+from tests.helpers import mounted
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
@@ -76,6 +76,7 @@ CORPUS: dict[str, tuple[bytes, str]] = {
 }
 
 
+@pytest.mark.daemon_warns("malformed header")
 def test_every_bad_file_is_one_warning_and_plain_bytes(tmp_path: Path) -> None:
     primary, mirror = tmp_path / "p", tmp_path / "m"
     write_checkpoint(str(primary), "mixtral", layers=1, experts=8, hidden=128, inter=128, shards=2)
@@ -113,6 +114,7 @@ def test_every_bad_file_is_one_warning_and_plain_bytes(tmp_path: Path) -> None:
         assert all("\n" not in w for w in st["recent_warnings"])
 
 
+@pytest.mark.daemon_warns("receipt.json: unusable", "usage.json: not valid JSON")
 def test_hostile_usage_file_and_receipt_are_one_warning_each(tmp_path: Path) -> None:
     from colifs.stage import RECEIPT_NAME
     from colifs.usage import USAGE_NAME

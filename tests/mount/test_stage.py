@@ -1,72 +1,28 @@
-"""A smaller second drive (issue 4): plan from real usage, stage safely (kill -9 anywhere), verify,
-and routing that knows the mirror is partial."""
+"""A smaller second drive with a mount: stage what real usage asks for, verify, and routing that
+knows the mirror is partial."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import signal
-import subprocess
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from colifs.plan import choose, estimate, survey
-from colifs.stage import EXIT_DIFFERS, EXIT_SHORT, RECEIPT_NAME, StageError, stage
-from colifs.synth import write_checkpoint
-from colifs.usage import Usage
-from tests.conftest import COLIFS, is_mounted, mounted, run_colifs, snapshot
-from tests.test_usage import expert_ranges, read_experts
-
-HOT = ("model-00003-of-00008.safetensors", "model-00006-of-00008.safetensors")
-
-
-def sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@contextmanager
-def small_drive(path: Path, mib: int) -> Iterator[Path]:
-    """A tmpfs of known size: the mirror drive whose free space the plan must respect."""
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}M", "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def skewed_model(
-    tmp_path: Path, hidden: int = 256, inter: int = 128, experts: int = 16
-) -> tuple[Path, dict, list, list]:
-    """8 shards; (primary, expert ranges, hot experts (all in HOT), cold experts)."""
-    primary = tmp_path / "p"
-    write_checkpoint(
-        str(primary), "deepseek", layers=4, experts=experts, hidden=hidden, inter=inter, shards=8
-    )
-    ranges = expert_ranges(primary)
-    hot = [k for k, where in ranges.items() if all(name in HOT for name, _, _ in where)]
-    cold = [k for k in ranges if k not in hot]
-    assert hot and cold
-    return primary, ranges, hot, cold
-
-
-def learn_usage(primary: Path, ranges: dict, hot: list, cold: list, mnt: Path, *extra: str) -> dict:
-    """A skewed workload through a real mount (hot experts 10x, cold ones once); its stats."""
-    with mounted(primary, [], mnt, *extra) as m:
-        read_experts(m.path, ranges, hot, times=10)
-        read_experts(m.path, ranges, cold)
-        return m.stats()
-
-
-def plan_json(primary: Path, mirror: Path, *args: str) -> dict:
-    out = run_colifs("plan", str(primary), str(mirror), "--weights", "1,1", "--json", *args)
-    assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout)
+from colifs.stage import EXIT_DIFFERS, RECEIPT_NAME
+from tests.helpers import (
+    HOT,
+    is_mounted,
+    learn_usage,
+    mounted,
+    plan_json,
+    read_experts,
+    run_colifs,
+    sha,
+    skewed_model,
+    small_drive,
+    snapshot,
+)
 
 
 def test_plan_picks_the_hot_shards_within_budget_and_reserve(tmp_path: Path) -> None:
@@ -92,20 +48,7 @@ def test_plan_picks_the_hot_shards_within_budget_and_reserve(tmp_path: Path) -> 
         assert not any(r["selected"] for r in none["shards"])
 
 
-def test_plan_from_colibri_usage(tmp_path: Path) -> None:
-    primary, _, hot, _ = skewed_model(tmp_path)
-    mirror = tmp_path / "m"
-    mirror.mkdir()
-    lines = ["-1 4 16", "-2 1 3"] + [f"{k.layer} {k.expert} 100" for k in hot]
-    (primary / ".coli_usage").write_text("\n".join(lines) + "\n")
-    plan = plan_json(primary, mirror, "--budget", str(sum((primary / n).stat().st_size for n in HOT)))
-    assert ".coli_usage" in plan["usage"]
-    assert sorted(r["shard"] for r in plan["shards"] if r["selected"]) == sorted(HOT)
-    (primary / ".coli_usage").write_text("-2 9 3\n0 0 1\n")
-    out = run_colifs("plan", str(primary), str(mirror), "--budget", "1G", "--weights", "1,1")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "version 9 is newer" in out.stderr
-
-
+@pytest.mark.daemon_warns("served without this mirror")
 @pytest.mark.mounts
 def test_stage_copies_the_plan_resumes_and_verify_deep_catches_one_byte(tmp_path: Path) -> None:
     primary, ranges, hot, cold = skewed_model(tmp_path)
@@ -157,54 +100,7 @@ def test_stage_copies_the_plan_resumes_and_verify_deep_catches_one_byte(tmp_path
     assert "extra (not on the primary)" in extra.stdout
 
 
-def test_stage_stops_cleanly_when_the_drive_fills(tmp_path: Path) -> None:
-    primary, _, _, _ = skewed_model(tmp_path)
-    with small_drive(tmp_path / "small", 4) as small:
-        shards = survey(str(primary), str(small))
-        estimate(shards, Usage())
-        choices = choose(shards, 10**12, 10**12)  # as if the plan had been made with more space
-        with pytest.raises(StageError) as e:
-            stage(str(primary), str(small), choices, 1 << 20, True, lambda _: None)
-        assert e.value.exit_code == EXIT_SHORT and "no receipt written" in str(e.value)
-        left = sorted(os.listdir(small))
-        assert left and RECEIPT_NAME not in left
-        for name in left:  # what was placed is whole and right; nothing half-done under a final name
-            assert sha(small / name) == sha(primary / name)
-        st = os.statvfs(small)
-        assert st.f_bavail * st.f_frsize >= 1 << 20  # the reserve was kept
-
-
-def test_stage_killed_at_any_moment_leaves_nothing_partial_and_resumes(tmp_path: Path) -> None:
-    primary, _, _, _ = skewed_model(tmp_path, hidden=1024, inter=512)  # ~100 MB: copies take a while
-    mirror = tmp_path / "m"
-    mirror.mkdir()
-    before = snapshot(primary)
-    budget = str(sum(p.stat().st_size for p in primary.glob("*.safetensors")) // 2)
-    cmd = [*COLIFS, "stage", str(primary), str(mirror), "--budget", budget, "-q"]
-    kills = 0
-    for delay in (0.05, 0.2, 0.4, 0.6, 0.9, 1.3):
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(delay)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            kills += 1
-        proc.wait()
-        for name in os.listdir(mirror):  # after every kill: whatever has a final name is whole and right
-            if name.endswith(".safetensors") and not name.startswith(".colifs-stage-"):
-                assert sha(mirror / name) == sha(primary / name), (delay, name)
-        if (mirror / RECEIPT_NAME).exists():  # the receipt only once everything it lists is in place
-            for e in json.loads((mirror / RECEIPT_NAME).read_text())["shards"]:
-                assert sha(mirror / e["path"]) == e["sha256"] == sha(primary / e["path"])
-        assert snapshot(primary) == before
-    assert kills >= 3  # the run really was interrupted, several times
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert not [n for n in os.listdir(mirror) if n.startswith(".colifs-stage-")]  # temporaries cleaned
-    receipt = json.loads((mirror / RECEIPT_NAME).read_text())
-    assert {e["path"] for e in receipt["shards"]} == {n for n in os.listdir(mirror) if n != RECEIPT_NAME}
-    assert run_colifs("verify", str(primary), str(mirror), "--deep", "-q").returncode == 0
-
-
+@pytest.mark.daemon_warns("served without this mirror")
 @pytest.mark.mounts
 def test_partial_mirror_routing_moves_the_byte_split_toward_the_weights(tmp_path: Path) -> None:
     primary, ranges, hot, cold = skewed_model(tmp_path, hidden=128, inter=64, experts=64)
@@ -237,27 +133,7 @@ def test_partial_mirror_routing_moves_the_byte_split_toward_the_weights(tmp_path
     )
 
 
-@pytest.mark.parametrize(
-    ("text", "size"),
-    [
-        ("1234", 1234),
-        ("200G", 200 << 30),
-        ("1.5T", int(1.5 * 2**40)),
-        ("500MiB", 500 << 20),
-        ("2GB", 2 * 10**9),
-    ],
-)
-def test_sizes(text: str, size: int) -> None:
-    from colifs.plan import parse_size
-
-    assert parse_size(text) == size
-
-
-def test_a_bad_size_is_a_usage_error(tmp_path: Path) -> None:
-    out = run_colifs("plan", str(tmp_path), str(tmp_path), "--budget", "lots")
-    assert out.returncode == 2 and out.stderr.count("\n") == 1
-
-
+@pytest.mark.daemon_warns("served without this mirror")
 @pytest.mark.mounts
 def test_two_partial_mirrors_split_the_bytes_as_the_weights_say(tmp_path: Path) -> None:
     primary, ranges, hot, cold = skewed_model(tmp_path, hidden=128, inter=64, experts=64)

@@ -20,27 +20,20 @@ import pytest
 from safetensors import safe_open
 
 from colifs.buffers import BLOCK
-from colifs.formats import format_of
 from colifs.layout import ExpertKey
 from colifs.synth import FAMILIES, write_checkpoint
-from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
+from tests.helpers import (
+    COLIFS,
+    expert_spans,
+    force_unmount,
+    is_mounted,
+    mounted,
+    read_direct,
+    run_colifs,
+    shards,
+)
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
-
-
-def shards(root: Path) -> list[Path]:
-    return sorted(root.glob("*.safetensors"))
-
-
-def read_direct(path: Path, off: int, size: int) -> bytes:
-    """pread through O_DIRECT: bypasses the mount's page cache, so the daemon serves every byte."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    try:
-        buf = mmap.mmap(-1, max(size, 1))
-        n = os.preadv(fd, [memoryview(buf)[:size]], off)
-        return bytes(buf[:n])
-    finally:
-        os.close(fd)
 
 
 # -- bytes ---------------------------------------------------------------------------------------
@@ -99,14 +92,9 @@ def test_safe_open_through_the_mount_gives_the_same_arrays(tmp_path: Path, famil
 def expert_ranges(root: Path) -> dict[tuple[str, ExpertKey], list[tuple[int, int]]]:
     """(file, key) → byte ranges of that expert in that file, from the headers (any model format)."""
     out: dict[tuple[str, ExpertKey], list[tuple[int, int]]] = {}
-    for p in sorted(root.iterdir()):
-        fmt = format_of(p.name)
-        if fmt is None:
-            continue
-        _, _, lay = fmt.read(str(p))
-        for start, end, key in lay.extents():
-            if isinstance(key, ExpertKey):
-                out.setdefault((p.name, key), []).append((start, end))
+    for key, spans in expert_spans(root).items():
+        for name, start, end in spans:
+            out.setdefault((name, key), []).append((start, end))
     return out
 
 
@@ -190,6 +178,7 @@ def test_two_mirrors_all_serve(tmp_path: Path) -> None:
 # -- partial and divergent mirrors ---------------------------------------------------------------
 
 
+@pytest.mark.daemon_warns("served without this mirror")
 def test_partial_and_divergent_mirror_files_are_served_from_the_primary(tmp_path: Path) -> None:
     primary, mirror = tmp_path / "p", tmp_path / "m"
     write_checkpoint(str(primary), "deepseek", layers=3, experts=8, hidden=64, inter=64, shards=4)
@@ -228,6 +217,7 @@ def test_partial_and_divergent_mirror_files_are_served_from_the_primary(tmp_path
         assert m.stats()["replicas"][1]["bytes_served"] > 0
 
 
+@pytest.mark.daemon_warns("malformed header")
 def test_malformed_primary_header_is_served_as_plain_bytes(model) -> None:
     primary, mirror, mnt = model
     bad = primary / "broken.safetensors"
@@ -547,6 +537,7 @@ def test_gguf_models_through_the_mount(tmp_path: Path) -> None:
         assert m.stats()["files"]["ds-F16.gguf"]["replicas"] == [str(primary), str(mirror)]
 
 
+@pytest.mark.daemon_warns("malformed header", "served without this mirror")
 def test_bad_and_divergent_gguf_files(tmp_path: Path) -> None:
     from colifs.synth import write_gguf
 

@@ -15,22 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from colifs.boundary import BURST, RateLimit
-from tests.conftest import mounted
+from colifs.boundary import BURST
 from tests.failing_colifs import FAULTS_ENV
+from tests.helpers import ROOT, mounted
 
 INJECTED = [sys.executable, "-m", "tests.failing_colifs"]
-
-
-def test_rate_limit_passes_a_burst_per_period_and_counts_the_rest() -> None:
-    now = [0.0]
-    limit = RateLimit(3, 60.0, clock=lambda: now[0])
-    assert [limit.take() for _ in range(5)] == [0, 0, 0, None, None]
-    now[0] = 59.9
-    assert limit.take() is None
-    now[0] = 60.0
-    assert limit.take() == 3  # the three held back are reported with the next that passes
-    assert limit.take() == 0
 
 
 def shard(primary: Path) -> str:
@@ -64,6 +53,7 @@ def operations(mnt: Path, name: str) -> dict[str, Callable[[int], object]]:
 THROUGH_PYTHON = {"native": {"snapshot", "xattr", "xattr_names"}, "pyfuse3": set(operations(Path(), ""))}
 
 
+@pytest.mark.daemon_warns(r"internal error in \w+: RuntimeError\(.injected fault")
 @pytest.mark.mounts
 def test_a_failing_handler_answers_eio_and_the_mount_keeps_serving(
     model, tmp_path: Path, engine: str
@@ -72,7 +62,7 @@ def test_a_failing_handler_answers_eio_and_the_mount_keeps_serving(
     faults, log = tmp_path / "faults", tmp_path / "daemon.log"
     name = shard(primary)
     want = (primary / name).read_bytes()
-    env = {FAULTS_ENV: str(faults), "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {FAULTS_ENV: str(faults), "PYTHONPATH": str(ROOT)}
     with mounted(primary, [mirror], mnt, "--log-file", str(log), env=env, colifs=INJECTED) as m:
         ops = operations(m.path, name)
         for i, handler in enumerate(sorted(THROUGH_PYTHON[engine])):

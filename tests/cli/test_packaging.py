@@ -1,4 +1,4 @@
-"""Packaging and the command line's own consistency (issue 7, part 3)."""
+"""Packaging and the command line as installed: --version, help, completion, the wheel."""
 
 from __future__ import annotations
 
@@ -9,17 +9,15 @@ import zipfile
 from pathlib import Path
 
 from colifs import __version__
-from colifs.cli import _parser
+from colifs.cli import parser
 from colifs.completion import _subparsers
-from tests.conftest import run_colifs
-
-ROOT = Path(__file__).parents[1]
+from tests.helpers import ROOT, run_colifs
 
 
 def test_version_and_every_subcommand_and_option_documented() -> None:
     out = run_colifs("--version")
     assert out.returncode == 0 and out.stdout.strip() == f"colifs {__version__}"
-    subs = _subparsers(_parser())
+    subs = _subparsers(parser())
     assert {"mount", "umount", "stats", "top", "route", "plan", "stage", "verify", "probe", "bench"} <= set(
         subs
     )
@@ -29,19 +27,6 @@ def test_version_and_every_subcommand_and_option_documented() -> None:
             if not isinstance(action, argparse._HelpAction):
                 assert action.help, (name, action.dest)  # nothing undocumented in --help
         assert run_colifs(name, "--help").returncode == 0
-
-
-def test_a_docs_page_per_subcommand_matching_help(tmp_path: Path) -> None:
-    sys.path.insert(0, str(ROOT / "contrib"))
-    try:
-        from gen_command_docs import pages
-    finally:
-        sys.path.pop(0)
-    want = pages()
-    assert set(want) == {f"{n}.md" for n in _subparsers(_parser())}
-    for name, text in want.items():
-        page = ROOT / "docs" / "commands" / name
-        assert page.exists() and page.read_text() == text, f"{page} is stale: run contrib/gen_command_docs.py"
 
 
 def complete(words: str) -> list[str]:
@@ -66,7 +51,7 @@ def test_bash_completion_knows_every_command_option_and_choice() -> None:
     assert complete("colifs stats --pro") == ["--prometheus"]
     assert "README.md" in complete("colifs route READ")
     script = run_colifs("completion", "bash").stdout
-    for sub in _subparsers(_parser()).values():
+    for sub in _subparsers(parser()).values():
         for action in sub._actions:
             for opt in action.option_strings:
                 assert f" {opt} " in script or f' {opt}"' in script or f'"{opt} ' in script, opt

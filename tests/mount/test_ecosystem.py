@@ -1,4 +1,4 @@
-"""Fitting where users are (issue 7): fstab / mount -t, syslog once daemonised, `colifs top`."""
+"""Fitting where users are: fstab / mount -t, syslog once daemonised, `colifs top` on a live mount."""
 
 from __future__ import annotations
 
@@ -18,15 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from colifs.errors import UsageError
-from colifs.fstab import mount_args, parse_argv
-from colifs.top import render
-from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
+from tests.helpers import COLIFS, force_unmount, is_mounted, mounted, run_colifs
 
 HELPER = Path("/sbin/mount.fuse.colifs")
-
-
-# -- fstab ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.mounts
@@ -40,60 +34,6 @@ def test_a_mountpoint_with_a_space_mounts_and_unmounts(model) -> None:
         again = run_colifs("mount", str(primary), str(spaced))
         assert again.returncode == 32 and "already a mount point" in again.stderr
     assert not is_mounted(spaced)
-
-
-def test_fstab_options_become_colifs_flags() -> None:
-    assert mount_args(
-        "/fast/m:/second/m", "/mnt/model", "ro,weights=9:3,allow_other,nofail,x-systemd.after=a"
-    ) == [
-        "/fast/m",
-        "/second/m",
-        "/mnt/model",
-        "--weights",
-        "9,3",
-        "--allow-other",
-    ]
-    assert mount_args(
-        "/a", "/m", "defaults,no_probe,mirror_timeout=2,usage_file=/var/u.json,routing=expert"
-    ) == [
-        "/a",
-        "/m",
-        "--no-probe",
-        "--mirror-timeout",
-        "2",
-        "--usage-file",
-        "/var/u.json",
-        "--routing",
-        "expert",
-    ]
-    # every `colifs mount` option, the newest included (the helper reads them from the parser)
-    assert mount_args("/a", "/m", "engine=pyfuse3,fuse_threads=4,debug") == [
-        "/a",
-        "/m",
-        "--engine",
-        "pyfuse3",
-        "--fuse-threads",
-        "4",
-        "--debug",
-    ]
-    with pytest.raises(UsageError, match="unknown option 'foreground'"):
-        mount_args("/a", "/m", "foreground")
-    assert parse_argv(["/a:/b", "/m", "-o", "ro,weights=1:1", "-n", "-t", "fuse.colifs"]) == (
-        "/a:/b",
-        "/m",
-        "ro,weights=1:1",
-        False,
-    )
-    assert parse_argv(["/a", "/m", "-fv", "-oro"])[3] is True  # mount -f: fake, nothing mounted
-    for bad, reason in [
-        ("weight=1:1", "unknown option"),
-        ("weights", "needs a value"),
-        ("debug=1", "takes no"),
-    ]:
-        with pytest.raises(UsageError, match=reason):
-            mount_args("/a:/b", "/m", bad)
-    with pytest.raises(UsageError, match="usage"):
-        parse_argv(["/a"])
 
 
 @contextmanager
@@ -155,9 +95,6 @@ def test_mount_t_and_an_fstab_line(model, tmp_path: Path) -> None:
             force_unmount(mnt)
 
 
-# -- logging --------------------------------------------------------------------------------------
-
-
 @pytest.mark.mounts
 def test_the_daemon_logs_to_syslog_once_its_stderr_is_gone(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
@@ -176,60 +113,6 @@ def test_the_daemon_logs_to_syslog_once_its_stderr_is_gone(model, tmp_path: Path
         assert f"{mnt} was unmounted" in log_file.read_text()  # and in --log-file, stamped
     finally:
         sock.close()
-
-
-# -- top -----------------------------------------------------------------------------------------
-
-
-def _stats(served: list[int], fallbacks: int, layers: dict, health: dict | None = None) -> dict:
-    total = sum(served) or 1
-    reps = []
-    for i, b in enumerate(served):
-        r = {
-            "name": ["primary", "mirror"][i],
-            "path": f"/d{i}",
-            "bytes_served": b,
-            "byte_share": b / total,
-            "weight_share": 0.5,
-            "in_flight": 0,
-            "read_errors": 0,
-        }
-        if i:
-            r["health"] = health or {"state": "up", "timeouts": 0}
-        reps.append(r)
-    return {
-        "mountpoint": "/mnt/x",
-        "uptime_s": 10.0,
-        "routing": "stripe",
-        "weights_source": "given",
-        "replicas": reps,
-        "fallbacks": fallbacks,
-        "layers_routed_bytes": layers,
-    }
-
-
-def test_top_frame_shows_rates_shares_health_and_hot_layers() -> None:
-    prev = _stats([0, 0], 0, {"model.layers.1": [0, 0]})
-    down = {
-        "state": "down",
-        "timeouts": 3,
-        "down_for_s": 4.0,
-        "next_check_in_s": 2.0,
-        "last_error": "timeout at 0: no answer within 5 s",
-    }
-    cur = _stats(
-        [30_000_000, 10_000_000],
-        7,
-        {"model.layers.1": [5_000_000, 0], "model.layers.2": [9_000_000, 1]},
-        down,
-    )
-    frame = render(prev, cur, 2.0)
-    rows = frame.splitlines()
-    assert rows[2].split()[:5] == ["primary", "-", "15.0", "3.0", "75.0%"]
-    assert rows[3].split()[:5] == ["mirror", "down", "5.0", "1.0", "25.0%"]
-    assert "next check in 2.0 s: timeout at 0: no answer within 5 s" in rows[4]
-    assert "fallbacks 7 (3.5/s now)" in frame
-    assert frame.rstrip().endswith("model.layers.2 4.5 MB/s, model.layers.1 2.5 MB/s")
 
 
 @pytest.mark.mounts
@@ -285,35 +168,3 @@ def test_top_on_a_live_mount_and_q_quits(model) -> None:
         assert ctrl_c.returncode == 0 and err_ == b"" and b"hottest layers" in out_
     bad = run_colifs("top", str(primary))
     assert bad.returncode == 3 and bad.stderr.count("\n") == 1
-
-
-def test_the_systemd_unit_and_the_fstab_example_are_valid(tmp_path: Path) -> None:
-    import shlex
-
-    from colifs.cli import _parser
-
-    contrib = Path(__file__).parents[1] / "contrib" / "systemd"
-    unit = (contrib / "colifs-model.service").read_text()
-    commands = [
-        line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(("ExecStart=", "ExecStop="))
-    ]
-    assert len(commands) == 2
-    for cmd in commands:  # every flag the example uses is a real colifs flag
-        words = shlex.split(cmd)
-        assert words[0] == "/opt/colifs/bin/colifs"
-        _parser().parse_args(words[1:])
-    if shutil.which("systemd-analyze"):
-        local = tmp_path / "colifs-model.service"
-        local.write_text(
-            unit.replace("/opt/colifs/bin/colifs", str(Path(sys.executable).with_name("colifs")))
-        )
-        out = subprocess.run(
-            ["systemd-analyze", "verify", "--man=no", str(local)], capture_output=True, text=True
-        )
-        assert out.returncode == 0 and out.stderr == "", out.stderr
-    lines = [x for x in (contrib / "fstab.example").read_text().splitlines() if x and not x.startswith("#")]
-    assert lines
-    for line in lines:
-        source, mountpoint, kind, options = line.split()[:4]
-        assert kind == "fuse.colifs"
-        assert "--weights" in mount_args(source, mountpoint, options)

@@ -1,19 +1,27 @@
 """The pure read planner and the native engine's run tables: every byte of every column of a table
-is routed as `pieces()` routes it (the pyfuse3 engine and `colifs route` use `pieces()` directly)."""
+is routed as `pieces()` routes it (the pyfuse3 engine and `colifs route` use `pieces()` directly);
+stripes spread big keys over the drives and keep small ones whole."""
 
 from __future__ import annotations
 
 import bisect
 import itertools
+import shutil
 from array import array
+from pathlib import Path
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from colifs.catalogue import build_files
+from colifs.health import Health
 from colifs.layout import HEADER, ExpertKey, Layout
-from colifs.planner import PLAIN, merge, pieces, run_table, usable_weights
-from colifs.replicas import ServedFile
+from colifs.readplan import PLAIN, Router, merge, pieces, plan, run_table, usable_weights
+from colifs.replicas import Replica, ServedFile
 from colifs.routing import CHUNK
+from colifs.synth import write_checkpoint
+from colifs.tree import Tree
 
 
 @st.composite
@@ -88,3 +96,49 @@ def test_a_file_without_layout_is_one_primary_segment() -> None:
     assert pieces(f, [1.0, 3.0], True, 10, 99) == [(10, 99, 0, PLAIN)]
     starts, keys, drives = decode(run_table(f, [1.0, 3.0], True, {}), 2)
     assert (starts, keys, drives) == ([0], [-1], b"\0\0")
+
+
+def _served(primary: Path, mirror: Path, weights: list[float]) -> ServedFile:
+    """The model file of a one-shard checkpoint, as the mount's catalogue builds it."""
+    replicas = [Replica(0, str(primary), weights[0]), Replica(1, str(mirror), weights[1])]
+    files = build_files(Tree(str(primary)), replicas)
+    return next(f for f in files.values() if f.is_model)
+
+
+def test_stripe_plan_spreads_big_keys_by_chunk_and_keeps_small_keys_whole(tmp_path: Path) -> None:
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    # experts of 3 projections x 1 MiB (striped) and shared experts of 128 KiB (kept whole)
+    write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
+    shutil.copytree(primary, mirror)
+    plans = []
+    for _ in range(2):  # two catalogues of the same files: the same plan
+        f = _served(primary, mirror, [3, 1])
+        lay = f.layout
+        assert lay is not None
+        ends = [*lay.starts[1:], lay.size]
+        plans.append([plan(f, [3.0, 1.0], True, s, e) for s, e in zip(lay.starts, ends, strict=True)])
+        for k, s, e, runs, rot in zip(lay.keys, lay.starts, ends, plans[-1], f.stripes, strict=True):
+            if isinstance(k, ExpertKey) and e - s >= CHUNK and rot >= 0:
+                chunks = {(a // CHUNK, d) for a, b, d in runs}
+                assert len({d for _, d in chunks}) == 2 or e - s < 4 * CHUNK  # both drives over 4 chunks
+            if rot < 0:
+                assert len(runs) == 1  # small keys whole on one drive
+    assert plans[0] == plans[1]  # the same chunk goes to the same drive every time
+    by_drive = [0, 0]  # bytes of the experts split about 3:1
+    for runs, k in zip(plans[0], lay.keys, strict=True):
+        if isinstance(k, ExpertKey):
+            for a, b, d in runs:
+                by_drive[d] += b - a
+    assert by_drive[1] / sum(by_drive) == pytest.approx(0.25, abs=0.06)
+
+
+def test_stripe_plan_never_uses_a_drive_without_a_valid_copy(tmp_path: Path) -> None:
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
+    mirror.mkdir()  # the mirror lacks the file
+    f = _served(primary, mirror, [1, 1])
+    assert f.replicas == (0,)
+    weights = usable_weights([1.0, 1.0], set(f.replicas))
+    assert plan(f, weights, True, 0, f.size) == [(0, f.size, 0)]
+    health = [Health(), Health()]
+    assert Router([1.0, 1.0], True, health).drive_at(f, f.size // 2) == 0

@@ -14,7 +14,7 @@ import pytest
 from colifs.formats import format_of
 from colifs.layout import ExpertKey
 from colifs.synth import write_checkpoint
-from tests.conftest import drop_file_cache, mounted
+from tests.helpers import drop_file_cache, mounted
 
 pytestmark = pytest.mark.mounts
 
@@ -41,6 +41,7 @@ def checkpoint(tmp_path: Path) -> tuple[Path, Path, Path]:
     return primary, mirror, next(primary.glob("*.safetensors"))
 
 
+@pytest.mark.daemon_warns("needs the native engine")
 def test_a_fault_inside_an_expert_brings_in_the_whole_expert(checkpoint, tmp_path: Path, engine: str) -> None:
     primary, mirror, shard = checkpoint
     a, b = expert_span(shard, ExpertKey("model.layers", 1, 2))  # 3 MiB, 3 tensors
@@ -77,6 +78,7 @@ def test_a_fault_inside_an_expert_brings_in_the_whole_expert(checkpoint, tmp_pat
         assert reads1 > reads0
 
 
+@pytest.mark.daemon_warns("needs the native engine")
 def test_o_direct_readers_never_prefetch(checkpoint, tmp_path: Path, engine: str) -> None:
     primary, mirror, shard = checkpoint
     a, b = expert_span(shard, ExpertKey("model.layers", 0, 1))

@@ -1,4 +1,4 @@
-"""Who may use the mount, and a daemon that cannot read a file (issue 5, part 5).
+"""Who may use the mount, and a daemon that cannot read a file.
 
 The daemon runs as root here; "another user" is `nobody` (setpriv), and a daemon "without root's
 powers" is root with CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH dropped: it then meets file modes as
@@ -19,20 +19,22 @@ from pathlib import Path
 import pytest
 
 from colifs.synth import write_checkpoint
-from tests.conftest import COLIFS, force_unmount, is_mounted, mounted, run_colifs
+from tests.helpers import COLIFS, ROOT, force_unmount, is_mounted, mounted, run_colifs
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"
-)
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"),
+    pytest.mark.mounts,  # every test here runs on both engines
+]
+
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+
+
 NO_DAC = [
     "setpriv",
     "--inh-caps=-dac_override,-dac_read_search",
     "--bounding-set=-dac_override,-dac_read_search",
 ]
-
-pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
 
 @pytest.fixture
@@ -139,50 +141,6 @@ def test_the_daemon_opens_nothing_for_writing(model) -> None:
                 f.close()
 
 
-def test_names_never_leave_the_primary(tmp_path: Path) -> None:
-    """Symlinks (to a directory outside, upwards) are shown as links, never walked by the daemon;
-    `..` or a path with a slash is not a name the daemon resolves."""
-    import errno
-
-    import pyfuse3
-    import trio
-
-    from colifs.fakeio import FaultyIO
-    from colifs.mount import build_files, build_ops
-    from colifs.reader import Reader
-    from colifs.replicas import Replica
-    from colifs.stats import Stats
-    from colifs.tree import ROOT_INO, Tree
-    from colifs.workers import DriveWorkers
-
-    primary = tmp_path / "p"
-    primary.mkdir()
-    (primary / "a.txt").write_text("a")
-    (primary / "etc").symlink_to("/etc")
-    (primary / "up").symlink_to("..")
-    (tmp_path / "outside.txt").write_text("outside")
-    tree = Tree(str(primary))
-    assert sorted(n.relpath for n in tree.nodes.values()) == ["", "a.txt", "etc", "up"]
-    replicas = [Replica(0, str(primary), 1.0)]
-    stats = Stats(replicas, "test", "/nowhere")
-    workers = [DriveWorkers("d0", 1)]
-    reader = Reader(replicas, workers, FaultyIO(), stats)
-    ops = build_ops(tree, build_files(tree, replicas), reader, stats)
-
-    async def go() -> None:
-        for name in (b"..", b".", b"../outside.txt", b"up/outside.txt", b"etc/passwd", b"/etc"):
-            with pytest.raises(pyfuse3.FUSEError) as e:
-                await ops.lookup(ROOT_INO, name, None)
-            assert e.value.errno == errno.ENOENT, name
-        link = await ops.lookup(ROOT_INO, b"etc", None)
-        assert await ops.readlink(link.st_ino, None) == b"/etc"
-
-    try:
-        trio.run(go)
-    finally:
-        workers[0].close()
-
-
 @contextmanager
 def fuse_open_to_all() -> Iterator[None]:
     """This container's /dev/fuse is 0600 (distributions ship 0666): opened up for the test only."""
@@ -200,7 +158,7 @@ def nobody_python() -> list[str]:
     python = f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"
     if not os.access(python, os.X_OK):
         pytest.skip(f"no {python} for another user (the venv's interpreter may sit in a private home)")
-    root = str(Path(__file__).parents[1])
+    root = str(ROOT)
     return ["env", f"PYTHONPATH={root}:{site}", "HOME=/tmp", python, "-m", "colifs"]
 
 

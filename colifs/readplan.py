@@ -1,5 +1,6 @@
 """The read planner: which drive serves each byte of a file. Pure: the pyfuse3 engine plans every
-request with it, the native engine gets its run tables from it, and `colifs route` asks it.
+request with it, the native engine gets its run tables from it, and `colifs route` (through the
+mount's `Router`) asks it. Counting what was read is the caller's.
 
 A request [off, end) is cut into pieces, each inside one layout extent and (for striped keys) one
 CHUNK; each piece gets a drive. Expert routing: a key's bytes all go to `pick(position, weights)`.
@@ -14,6 +15,7 @@ from array import array
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
+from colifs.health import Health
 from colifs.layout import HEADER, Key
 from colifs.replicas import ServedFile
 from colifs.routing import CHUNK, pick, stripe_sequence
@@ -21,6 +23,7 @@ from colifs.routing import CHUNK, pick, stripe_sequence
 PLAIN = -2  # the extent of a file without a layout: plain bytes, always from the primary
 
 Piece = tuple[int, int, int, int]  # start, stop, drive, extent (an index, HEADER or PLAIN)
+Run = tuple[int, int, int]  # start, stop, drive: what one backing read fetches
 
 
 @lru_cache(maxsize=256)
@@ -54,15 +57,35 @@ def pieces(f: ServedFile, weights: Sequence[float], striping: bool, off: int, en
     return out
 
 
-def merge(plan: Sequence[Piece]) -> list[tuple[int, int, int]]:
+def merge(plan: Sequence[Piece]) -> list[Run]:
     """Pieces as (start, stop, drive) runs, neighbours on the same drive merged."""
-    runs: list[tuple[int, int, int]] = []
+    runs: list[Run] = []
     for start, stop, drive, _ in plan:
         if runs and runs[-1][2] == drive:
             runs[-1] = (runs[-1][0], stop, drive)
         else:
             runs.append((start, stop, drive))
     return runs
+
+
+def plan(f: ServedFile, weights: Sequence[float], striping: bool, off: int, end: int) -> list[Run]:
+    """[off, end) of `f` as the runs to read, each from one drive."""
+    return merge(pieces(f, weights, striping, off, end))
+
+
+class Router:
+    """The drive that serves a byte now: the weights, the routing mode and which mirrors are up
+    (their `Health`, shared with the engine that reads)."""
+
+    def __init__(self, weights: Sequence[float], striping: bool, health: Sequence[Health]) -> None:
+        self.weights = list(weights)  # per replica, for files the mirrors hold
+        self.striping = striping
+        self._health = health
+
+    def drive_at(self, f: ServedFile, offset: int) -> int:
+        down = {d for d, h in enumerate(self._health) if d and not h.up}
+        weights = usable_weights(self.weights, set(f.replicas) - down)
+        return pieces(f, weights, self.striping, offset, offset + 1)[0][2]
 
 
 def usable_weights(weights: Sequence[float], usable: set[int] | frozenset[int]) -> list[float]:
@@ -114,16 +137,24 @@ def run_table(
             continue
         if not by_chunk:
             by_chunk = list(zip(*(_sequence(tuple(w)) for w in columns), strict=True))
-        slots = len(by_chunk)
-        first = start // CHUNK
-        emit(start, key, by_chunk[(first + rotation) % slots])
-        row = last[1]  # type: ignore[index]
-        for chunk in range(first + 1, (stop - 1) // CHUNK + 1):  # the hot loop: ~700k chunks
-            nxt = by_chunk[(chunk + rotation) % slots]
-            if nxt != row:
-                row = nxt
-                starts.append(chunk * CHUNK)
-                keys.append(key)
-                drives.extend(row)
-        last = (key, row)
+        row = by_chunk[(start // CHUNK + rotation) % len(by_chunk)]
+        emit(start, key, row)
+        last = (key, _chunks(start, stop, key, rotation, by_chunk, row, starts, keys, drives))
     return starts.tobytes(), keys.tobytes(), bytes(drives)
+
+
+def _chunks(
+    start: int, stop: int, key: int, rotation: int, by_chunk: list[tuple[int, ...]], row: tuple[int, ...],
+    starts: array, keys: array, drives: bytearray,
+) -> tuple[int, ...]:  # fmt: skip
+    """The segments of a striped key after its first chunk (the hot loop: ~700k chunks in a big
+    checkpoint); returns the drives of its last segment."""
+    slots = len(by_chunk)
+    for chunk in range(start // CHUNK + 1, (stop - 1) // CHUNK + 1):
+        nxt = by_chunk[(chunk + rotation) % slots]
+        if nxt != row:
+            row = nxt
+            starts.append(chunk * CHUNK)
+            keys.append(key)
+            drives.extend(row)
+    return row

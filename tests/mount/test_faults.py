@@ -1,4 +1,4 @@
-"""A mirror that fails while mounted (issue 5, part 1): served from a fault-injecting FUSE mirror.
+"""A mirror that fails while mounted: served from a fault-injecting FUSE mirror.
 
 Every byte read through colifs must stay the primary's, whatever the mirror does.
 """
@@ -21,10 +21,9 @@ from pathlib import Path
 import pytest
 
 from colifs.synth import write_checkpoint
-from tests.conftest import force_unmount, is_mounted, run_colifs
-from tests.test_mount import read_direct
+from tests.helpers import ROOT, force_unmount, is_mounted, read_direct, run_colifs
 
-FAULTFS = str(Path(__file__).with_name("faultfs.py"))
+FAULTFS = str(ROOT / "tests" / "faultfs.py")
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 

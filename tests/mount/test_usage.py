@@ -1,9 +1,8 @@
-"""Usage learned by the mount (issue 4, part 1): counted per key and file, saved, merged, read back."""
+"""Usage learned by the mount: counted per key and file, saved, merged, read back."""
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import time
@@ -11,111 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from colifs.formats import format_of
 from colifs.layout import ExpertKey
-from colifs.usage import USAGE_NAME, BadUsageFile, Usage, load, read_coli_usage, save
-from tests.conftest import mounted, run_colifs
-
-
-def expert_ranges(primary: Path) -> dict[ExpertKey, list[tuple[str, int, int]]]:
-    """Where each expert's bytes are: (file, start, end) per tensor, from the headers."""
-    out: dict[ExpertKey, list[tuple[str, int, int]]] = {}
-    for p in sorted(primary.glob("*.safetensors")):
-        fmt = format_of(p.name)
-        assert fmt is not None
-        _, _, layout = fmt.read(str(p))
-        for s, e, k in layout.extents():
-            if isinstance(k, ExpertKey):
-                out.setdefault(k, []).append((p.name, s, e))
-    return out
-
-
-def read_experts(mnt: Path, ranges: dict, keys: list[ExpertKey], times: int = 1) -> int:
-    """Read the experts' bytes through the mount with O_DIRECT (every byte reaches the daemon)."""
-    fds: dict[str, int] = {}
-    buf = mmap.mmap(-1, 1 << 22)
-    n = 0
-    try:
-        for _ in range(times):
-            for k in keys:
-                for name, s, e in ranges[k]:
-                    if name not in fds:
-                        fds[name] = os.open(mnt / name, os.O_RDONLY | os.O_DIRECT)
-                    got = os.preadv(fds[name], [memoryview(buf)[: e - s]], s)
-                    assert got == e - s
-                    n += got
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return n
-
-
-# -- the file ---------------------------------------------------------------------------------
-
-
-def test_usage_round_trips_and_saves_add_up(tmp_path: Path) -> None:
-    u = Usage(runs=1)
-    u.count(ExpertKey("model.layers", 3, 7), 1000)
-    u.count(ExpertKey("model.layers", 3, 7), 24)
-    u.count("model.embed_tokens.weight", 4096)
-    u.count_file("a.safetensors", 5120)
-    path = str(tmp_path / USAGE_NAME)
-    save(path, u)
-    save(path, u)  # a second run (or a periodic save) adds to what the file holds
-    back = load(path)
-    assert back.keys[ExpertKey("model.layers", 3, 7)] == [2048, 4]
-    assert back.keys["model.embed_tokens.weight"] == [8192, 2]
-    assert back.files == {"a.safetensors": [10240, 2]} and back.runs == 2
-    assert sorted(os.listdir(tmp_path)) == [USAGE_NAME]  # no temporary left behind
-
-
-@pytest.mark.parametrize(
-    ("content", "reason"),
-    [
-        ("{", "not valid JSON"),
-        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
-        ('{"format": "colifs-usage", "version": 1, "runs": ' + "9" * 5000 + "}", "not valid JSON"),
-        ("[]", "not a colifs usage file"),
-        ('{"format": "colifs-usage", "version": 99}', "newer than this colifs reads"),
-        ('{"format": "colifs-usage", "version": 1, "files": {"a": [1]}}', "malformed entry"),
-        (
-            '{"format": "colifs-usage", "version": 1, "experts": {"s": {"x": {"1": [1, 1]}}}}',
-            "malformed entry",
-        ),
-    ],
-)
-def test_a_bad_usage_file_is_one_clear_error(tmp_path: Path, content: str, reason: str) -> None:
-    path = tmp_path / USAGE_NAME
-    path.write_text(content)
-    with pytest.raises(BadUsageFile, match=reason):
-        load(str(path))
-
-
-def test_coli_usage_is_read_and_newer_versions_refused(tmp_path: Path) -> None:
-    sizes = {ExpertKey("model.layers", 1, 2): 300, ExpertKey("model.layers", 0, 5): 100}
-    path = tmp_path / ".coli_usage"
-    path.write_text("-1 4 8\n-2 1 7\n1 2 10\n0 5 3\n3 7 4\n\n")
-    u = read_coli_usage(str(path), sizes, "model.layers")
-    assert u.keys == {ExpertKey("model.layers", 1, 2): [3000, 10], ExpertKey("model.layers", 0, 5): [300, 3]}
-    for text, reason in [
-        ("-2 2 7\n1 2 10\n", "version 2 is newer"),
-        ("-1 4 8\n9 2 10\n", "outside 4 x 8"),
-        ("1 2\n", "expected '<layer> <expert> <count>'"),
-        ("a b c\n", "not numbers"),
-        ("1 2 " + "9" * 5000 + "\n", "not numbers"),
-    ]:
-        path.write_text(text)
-        with pytest.raises(BadUsageFile, match=reason):
-            read_coli_usage(str(path), sizes, "model.layers")
-
-
-# -- the mount --------------------------------------------------------------------------------
+from colifs.usage import USAGE_NAME, load
+from tests.helpers import expert_spans, mounted, read_experts, run_colifs
 
 
 @pytest.mark.mounts
 def test_the_mount_counts_saves_at_unmount_and_merges_runs(model) -> None:
     primary, mirror, mnt = model
-    ranges = expert_ranges(primary)
+    ranges = expert_spans(primary)
     hot = sorted(ranges)[:3]
     usage_file = primary / USAGE_NAME
     for run in (1, 2):
@@ -139,7 +42,7 @@ def test_the_mount_counts_saves_at_unmount_and_merges_runs(model) -> None:
 @pytest.mark.mounts
 def test_usage_is_saved_periodically_and_can_be_moved_or_turned_off(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
-    ranges = expert_ranges(primary)
+    ranges = expert_spans(primary)
     elsewhere = tmp_path / "u" / "usage.json"
     elsewhere.parent.mkdir()
     with mounted(
@@ -165,7 +68,7 @@ def test_a_quiet_interval_loses_neither_the_run_nor_the_reads(model, tmp_path: P
     """Saves come every 0.2 s, the first reads only after several of them: the usage file still
     counts this mount as one run, with every byte read."""
     primary, mirror, mnt = model
-    ranges = expert_ranges(primary)
+    ranges = expert_spans(primary)
     target = tmp_path / "usage.json"
     with mounted(
         primary, [mirror], mnt, "--weights", "1,1", "--usage-file", str(target), "--usage-interval", "0.2"
@@ -177,10 +80,11 @@ def test_a_quiet_interval_loses_neither_the_run_nor_the_reads(model, tmp_path: P
     assert sum(b for b, _ in usage.keys.values()) == nbytes
 
 
+@pytest.mark.daemon_warns("cannot save")
 @pytest.mark.mounts
 def test_a_usage_file_that_cannot_be_written_warns_once_and_loses_nothing(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
-    ranges = expert_ranges(primary)
+    ranges = expert_spans(primary)
     where = tmp_path / "gone"
     where.mkdir()
     target = where / "usage.json"
@@ -198,6 +102,7 @@ def test_a_usage_file_that_cannot_be_written_warns_once_and_loses_nothing(model,
     assert sum(b for b, _ in load(str(target)).files.values()) == served
 
 
+@pytest.mark.daemon_warns("not valid JSON")
 @pytest.mark.mounts
 def test_a_corrupt_usage_file_is_left_alone(model) -> None:
     primary, mirror, mnt = model
@@ -205,11 +110,12 @@ def test_a_corrupt_usage_file_is_left_alone(model) -> None:
     bad.write_text("{ not json")
     with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
         assert "not valid JSON" in m.stderr and "not updated this run" in m.stderr
-        read_experts(m.path, expert_ranges(primary), [ExpertKey("model.layers", 1, 0)])
+        read_experts(m.path, expert_spans(primary), [ExpertKey("model.layers", 1, 0)])
     assert bad.read_text() == "{ not json"  # nothing lost: the user decides
     shutil.rmtree(mnt, ignore_errors=True)
 
 
+@pytest.mark.daemon_warns("cannot be written there")
 @pytest.mark.mounts
 def test_a_read_only_primary_is_one_warning_at_mount(tmp_path: Path) -> None:
     import subprocess

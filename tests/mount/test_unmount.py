@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import is_mounted, mounted, run_colifs
+from tests.helpers import is_mounted, mounted, run_colifs
 
 pytestmark = pytest.mark.mounts
 
@@ -104,6 +104,7 @@ def test_lazy_umount_detaches_and_serves_the_mapped_file_until_it_is_let_go(mode
         wait_gone(pid)  # the last user let go: the kernel ended the session, the daemon exited
 
 
+@pytest.mark.daemon_warns(r"is busy: pid \d+")
 def test_a_stop_signal_while_busy_keeps_serving_and_unmounts_once_unused(model, tmp_path: Path) -> None:
     primary, mirror, mnt = model
     name = shard(primary)

@@ -6,43 +6,55 @@ import errno
 import logging
 import os
 import random
-import shutil
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pyfuse3
 import pytest
 import trio
 
+from colifs.assemble import Assembly
 from colifs.fakeio import FaultyIO
 from colifs.fs import ColiFS
 from colifs.health import FAILURES_TO_DOWN
-from colifs.mount import build_files, build_ops
-from colifs.reader import OpenFile, Reader
-from colifs.replicas import Replica
+from colifs.reader import Reader
 from colifs.stats import Stats
-from colifs.tree import Tree
 from colifs.workers import DriveWorkers
+from tests.helpers import assembled, ops_of, run_ops
 
 
-def make_ops(primary: Path, mirror: Path, weights: list[float]) -> tuple[ColiFS, FaultyIO]:
-    replicas = [Replica(0, str(primary), weights[0]), Replica(1, str(mirror), weights[1])]
-    tree = Tree(str(primary))
-    files = build_files(tree, replicas)
-    stats = Stats(replicas, "test", "/nowhere")
-    io = FaultyIO()
-    workers = [DriveWorkers(f"d{r.index}", 2) for r in replicas]
-    reader = Reader(replicas, workers, io, stats, files=list(files.values()))
-    return build_ops(tree, files, reader, stats), io
+@dataclass(frozen=True)
+class Rig:
+    """A mount's object graph as `serve` assembles it (pyfuse3 engine), never mounted."""
+
+    asm: Assembly
+    io: FaultyIO
+
+    @property
+    def ops(self) -> ColiFS:
+        return ops_of(self.asm)
+
+    @property
+    def reader(self) -> Reader:
+        return self.asm.engine.reader  # type: ignore[attr-defined]
+
+    @property
+    def stats(self) -> Stats:
+        return self.asm.stats
 
 
-def run(ops: ColiFS, fn: Callable) -> object:
-    try:
-        return trio.run(fn)
-    finally:
-        for w in ops.reader.workers:
-            w.close()
+def make_ops(
+    primary: Path, mirror: Path, weights: list[float], io: FaultyIO | None = None, **cfg: Any
+) -> Rig:
+    io = io or FaultyIO()
+    return Rig(assembled(primary.parent, primary, [mirror], weights, io, **cfg), io)
+
+
+def run(rig: Rig, fn: Callable) -> object:
+    return run_ops(rig.asm, fn)
 
 
 def shard_inodes(ops: ColiFS) -> dict[int, str]:
@@ -64,20 +76,22 @@ async def read_ranges(ops: ColiFS, primary: Path, count: int, seed: int = 1) -> 
 
 def test_random_reads_are_exact_and_use_both_drives(model) -> None:
     primary, mirror, _ = model
-    ops, io = make_ops(primary, mirror, [1, 1])
-    run(ops, lambda: read_ranges(ops, primary, 200))
+    rig = make_ops(primary, mirror, [1, 1])
+    ops, io = rig.ops, rig.io
+    run(rig, lambda: read_ranges(ops, primary, 200))
     assert io.reads[str(primary)] > 50 and io.reads[str(mirror)] > 50
-    assert ops.stats.fallbacks == 0
-    assert ops.reader._open == {}  # every descriptor closed on release
+    assert rig.stats.fallbacks == 0
+    assert rig.reader.open_files() == 0  # every descriptor closed on release
 
 
 @pytest.mark.parametrize("fault", ["eio", "short", "open"])
 def test_failing_mirror_falls_back_then_leaves_the_routing(model, fault, caplog) -> None:
     primary, mirror, _ = model
-    ops, io = make_ops(primary, mirror, [1, 3])
+    rig = make_ops(primary, mirror, [1, 3])
+    ops, io = rig.ops, rig.io
     io.fail(str(mirror), fault)
     with caplog.at_level(logging.WARNING, logger="colifs"):
-        run(ops, lambda: read_ranges(ops, primary, 100))
+        run(rig, lambda: read_ranges(ops, primary, 100))
     messages = [r.getMessage() for r in caplog.records]
     per_file = [m for m in messages if "reading from the primary instead" in m]
     down = [m for m in messages if "failures in a row" in m]
@@ -85,21 +99,22 @@ def test_failing_mirror_falls_back_then_leaves_the_routing(model, fault, caplog)
     assert 1 <= len(per_file) <= len(shard_inodes(ops))
     assert len({m.split(":")[0] for m in per_file}) == len(per_file)  # at most one per file
     assert len(per_file) + len(down) == len(messages)
-    assert ops.stats.bytes_served[1] == 0
-    health = ops.reader.health[1]
+    assert rig.stats.bytes_served[1] == 0
+    health = rig.reader.health[1]
     assert not health.up and health.in_a_row >= FAILURES_TO_DOWN
     if fault == "open":
-        assert ops.stats.fallbacks == 0  # never routed there at all
+        assert rig.stats.fallbacks == 0  # never routed there at all
     else:
         # after FAILURES_TO_DOWN failures no read goes there: 300 reads, a handful of fallbacks
-        assert FAILURES_TO_DOWN <= ops.stats.fallbacks < 10
-        assert ops.stats.read_errors[1] == ops.stats.fallbacks == health.errors
+        assert FAILURES_TO_DOWN <= rig.stats.fallbacks < 10
+        assert rig.stats.read_errors[1] == rig.stats.fallbacks == health.errors
 
 
 def test_down_mirror_comes_back_after_a_check_read_passes(model) -> None:
     primary, mirror, _ = model
-    ops, io = make_ops(primary, mirror, [1, 1])
-    reader = ops.reader
+    rig = make_ops(primary, mirror, [1, 1])
+    ops, io = rig.ops, rig.io
+    reader = rig.reader
     io.fail(str(mirror), "eio")
 
     async def go() -> None:
@@ -115,45 +130,38 @@ def test_down_mirror_comes_back_after_a_check_read_passes(model) -> None:
             with trio.fail_after(4):
                 while not reader.health[1].up:
                     await trio.sleep(0.05)
-            served = ops.stats.bytes_served[1]
+            served = rig.stats.bytes_served[1]
             await read_ranges(ops, primary, 20, seed=2)
-            assert ops.stats.bytes_served[1] > served  # routed there again
+            assert rig.stats.bytes_served[1] > served  # routed there again
             nursery.cancel_scope.cancel()
 
-    run(ops, go)
-    d = ops.stats.as_dict(list(ops.files.values()))["replicas"][1]["health"]
+    run(rig, go)
+    d = rig.stats.as_dict(list(ops.files.values()))["replicas"][1]["health"]
     assert d["state"] == "up" and d["times_down"] == 1 and d["checks"] == 2 and d["errors"] >= 4
 
 
 def test_hung_mirror_read_is_reissued_on_the_primary_and_its_buffer_never_reused(model) -> None:
     """A hung read that finally lands writes 0xEE into the buffer it was given: never seen."""
     primary, mirror, _ = model
-    replicas = [Replica(0, str(primary), 1), Replica(1, str(mirror), 1)]
-    tree = Tree(str(primary))
-    stats = Stats(replicas, "test", "/nowhere")
-    io = FaultyIO()
-    workers = [DriveWorkers("d0", 2), DriveWorkers("d1", 4, timeout=0.2)]
-    ops = build_ops(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
+    rig = make_ops(primary, mirror, [1, 1], threads_per_drive=4, mirror_timeout=0.2)
+    ops, io, stats = rig.ops, rig.io, rig.stats
     io.fail(str(mirror), "hang")
 
     async def go() -> None:
         t0 = trio.current_time()
         await read_ranges(ops, primary, 10)  # each read touching the mirror waits 0.2 s, then the primary
         assert trio.current_time() - t0 < 10
-        assert not ops.reader.health[1].up
-        assert ops.reader.health[1].timeouts >= FAILURES_TO_DOWN
+        assert not rig.reader.health[1].up
+        assert rig.reader.health[1].timeouts >= FAILURES_TO_DOWN
         io.fail(str(mirror), None)  # the hung reads land now, writing 0xEE into their old buffers
         await read_ranges(ops, primary, 100, seed=3)  # compared byte by byte
 
-    run(ops, go)
+    run(rig, go)
     assert stats.fallbacks >= FAILURES_TO_DOWN and stats.bytes_served[1] == 0
 
 
 def test_hung_mirror_open_times_out_and_its_late_descriptor_is_closed(model) -> None:
     primary, mirror, _ = model
-    replicas = [Replica(0, str(primary), 1), Replica(1, str(mirror), 1)]
-    tree = Tree(str(primary))
-    stats = Stats(replicas, "test", "/nowhere")
     release = threading.Event()
 
     class SlowOpen(FaultyIO):
@@ -162,28 +170,29 @@ def test_hung_mirror_open_times_out_and_its_late_descriptor_is_closed(model) -> 
                 release.wait()
             return super().open(path)
 
-    io = SlowOpen()
-    workers = [DriveWorkers("d0", 2), DriveWorkers("d1", 4, timeout=0.2)]
-    ops = build_ops(tree, build_files(tree, replicas), Reader(replicas, workers, io, stats), stats)
-    ino = next(iter(shard_inodes(ops)))
+    rig = make_ops(primary, mirror, [1, 1], SlowOpen(), threads_per_drive=4, mirror_timeout=0.2)
+    ops, io = rig.ops, rig.io
+    ino, rel = next(iter(shard_inodes(ops).items()))
 
     async def go() -> None:
         fi = await ops.open(ino, os.O_RDONLY, None)
-        of = ops._handles[fi.fh]
-        assert of.fds[1] is None and of.weights[1] == 0
+        want = (primary / rel).read_bytes()
+        assert bytes(await ops.read(fi.fh, 0, len(want))) == want
+        assert io.reads.get(str(mirror), 0) == 0  # the open timed out: the file is read without the mirror
         fds_before = set(os.listdir("/proc/self/fd"))
         release.set()
         await trio.sleep(0.3)  # the late open lands and is closed
         assert set(os.listdir("/proc/self/fd")) <= fds_before
         await ops.release(fi.fh)
 
-    run(ops, go)
-    assert ops.reader.health[1].timeouts == 1
+    run(rig, go)
+    assert rig.reader.health[1].timeouts == 1
 
 
 def test_primary_error_is_eio_and_the_mount_keeps_serving(model) -> None:
     primary, mirror, _ = model
-    ops, io = make_ops(primary, mirror, [1, 0.000001])
+    rig = make_ops(primary, mirror, [1, 0.000001])
+    ops, io = rig.ops, rig.io
     ino = next(iter(shard_inodes(ops)))
 
     async def go() -> None:
@@ -196,13 +205,14 @@ def test_primary_error_is_eio_and_the_mount_keeps_serving(model) -> None:
         assert len(await ops.read(fi.fh, 0, 4096)) == 4096
         await ops.release(fi.fh)
 
-    run(ops, go)
-    assert ops.stats.read_errors[0] == 1
+    run(rig, go)
+    assert rig.stats.read_errors[0] == 1
 
 
 def test_write_paths_are_erofs_without_a_mount(model) -> None:
     primary, mirror, _ = model
-    ops, _ = make_ops(primary, mirror, [1, 1])
+    rig = make_ops(primary, mirror, [1, 1])
+    ops = rig.ops
     ino = next(iter(shard_inodes(ops)))
 
     async def go() -> None:
@@ -221,12 +231,13 @@ def test_write_paths_are_erofs_without_a_mount(model) -> None:
                 await call
             assert e.value.errno == errno.EROFS
 
-    run(ops, go)
+    run(rig, go)
 
 
 def test_concurrent_opens_get_distinct_handles(model) -> None:
     primary, mirror, _ = model
-    ops, _ = make_ops(primary, mirror, [1, 1])
+    rig = make_ops(primary, mirror, [1, 1])
+    ops = rig.ops
     inodes = list(shard_inodes(ops))
     handles: list[int] = []
 
@@ -242,60 +253,8 @@ def test_concurrent_opens_get_distinct_handles(model) -> None:
             assert len(await ops.read(fh, 0, 100)) == 100
             await ops.release(fh)
 
-    run(ops, go)
-    assert ops.reader._open == {}
-
-
-def test_stripe_plan_spreads_big_keys_by_chunk_and_keeps_small_keys_whole(tmp_path: Path) -> None:
-    from colifs.layout import ExpertKey
-    from colifs.routing import CHUNK
-    from colifs.synth import write_checkpoint
-
-    primary, mirror = tmp_path / "p", tmp_path / "m"
-    # experts of 3 projections x 1 MiB (striped) and shared experts of 128 KiB (kept whole)
-    write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
-    shutil.copytree(primary, mirror)
-    plans = []
-    for _ in range(2):
-        ops, _ = make_ops(primary, mirror, [3, 1])
-        ops.reader.striping = True
-        f = next(f for f in ops.files.values() if f.is_model)
-        of = OpenFile(f, [0, 1], [3.0, 1.0], 1, set())
-        lay = f.layout
-        ends = [*lay.starts[1:], lay.size]
-        plans.append([ops.reader.plan(of, s, e) for s, e in zip(lay.starts, ends, strict=True)])
-        for k, s, e, runs, rot in zip(lay.keys, lay.starts, ends, plans[-1], f.stripes, strict=True):
-            if isinstance(k, ExpertKey) and e - s >= CHUNK and rot >= 0:
-                chunks = {(a // CHUNK, d) for a, b, d in runs}
-                assert len({d for _, d in chunks}) == 2 or e - s < 4 * CHUNK  # both drives over 4 chunks
-            if rot < 0:
-                assert len(runs) == 1  # small keys whole on one drive
-        for w in ops.reader.workers:
-            w.close()
-    assert plans[0] == plans[1]  # the same chunk goes to the same drive every time
-    # bytes of the experts split about 3:1
-    by_drive = [0, 0]
-    for runs, k in zip(plans[0], lay.keys, strict=True):
-        if isinstance(k, ExpertKey):
-            for a, b, d in runs:
-                by_drive[d] += b - a
-    assert by_drive[1] / sum(by_drive) == pytest.approx(0.25, abs=0.06)
-
-
-def test_stripe_plan_never_uses_a_drive_without_a_valid_copy(tmp_path: Path) -> None:
-    from colifs.synth import write_checkpoint
-
-    primary, mirror = tmp_path / "p", tmp_path / "m"
-    write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
-    mirror.mkdir()  # the mirror lacks the file
-    ops, _ = make_ops(primary, mirror, [1, 1])
-    ops.reader.striping = True
-    f = next(f for f in ops.files.values() if f.is_model)
-    assert f.replicas == (0,)
-    of = OpenFile(f, [0, None], [1.0, 0.0], 1, set())
-    assert ops.reader.plan(of, 0, f.size) == [(0, f.size, 0)]
-    for w in ops.reader.workers:
-        w.close()
+    run(rig, go)
+    assert rig.reader.open_files() == 0
 
 
 def test_closing_workers_does_not_wait_forever_for_a_hung_read() -> None:

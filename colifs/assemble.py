@@ -1,0 +1,215 @@
+"""Builds a mount's whole object graph from its configuration, in one place: `serve` mounts what
+this returns, and the tests drive the same graph without a mount (`await asm.ops.read(...)`).
+
+Each part receives what it needs at construction; state has one owner (health: the engine that
+reads; usage: the tally or the native counters, saved by the recorder; kernel knobs: Tuning),
+and `Stats` only asks them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from colifs.backing import BackingIO, OsIO
+from colifs.catalogue import build_files, describe, partial_weights
+from colifs.checks import check_mountpoint, check_roots
+from colifs.config import MountConfig, mount_options
+from colifs.health import Health
+from colifs.kernel import Tuning
+from colifs.logs import RecentWarnings
+from colifs.namespace import Namespace
+from colifs.probe import ProbeResult, probe, table, weights_from
+from colifs.readplan import Router
+from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
+from colifs.replicas import Replica, ServedFile
+from colifs.stats import Counters, DriveCounters, MountInfo, Stats
+from colifs.tree import Tree
+from colifs.usage import Usage
+
+log = logging.getLogger("colifs")
+
+PREFETCH_MAX = 64 << 20  # bytes one expert's first page-cache read may read ahead (--prefetch expert)
+
+
+class Engine(Protocol):
+    """What `serve` runs: either engine, built but not mounted."""
+
+    def mount(self) -> None: ...  # RuntimeError when the kernel refuses
+
+    async def run(self) -> None: ...  # serves until unmounted (or stopped)
+
+    async def watch(self) -> None: ...  # health checks for the life of the mount
+
+    def stop(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Assembly:
+    """A mount, built: what `serve` needs, and what tests look at."""
+
+    mountpoint: str
+    options: list[str]
+    files: dict[int, ServedFile]
+    stats: Stats
+    namespace: Namespace
+    engine: Engine
+    recorder: UsageRecorder
+    tuning: Tuning
+
+
+@dataclass(frozen=True)
+class _Routing:
+    replicas: list[Replica]  # with their weights (probed, when they were)
+    weights: list[float]  # for the files the mirrors hold (partial mirrors get more)
+    probe: tuple[dict, ...]
+    partial: dict | None
+
+
+def assemble(
+    cfg: MountConfig, io: BackingIO | None = None, warnings: RecentWarnings | None = None
+) -> Assembly:
+    """Check the paths, build the catalogue and routing, and wire the engine `cfg` names. `io` is the
+    pyfuse3 engine's backing I/O (tests inject faults there); `warnings` feeds stats.json."""
+    replicas = check_roots([cfg.primary, *cfg.mirrors], cfg.weights)
+    mnt = check_mountpoint(cfg.mountpoint, [r.root for r in replicas])
+    usage_path = usage_file(cfg.usage, cfg.usage_file, replicas)
+    t0 = time.monotonic()
+    tree = Tree(replicas[0].root, hidden(usage_path, replicas[0].root))
+    files = build_files(tree, replicas)
+    history, saving = load_history(usage_path)
+    routing = _routing(cfg, replicas, files, history)
+    log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
+    health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
+    router = Router(routing.weights, cfg.routing == "stripe", health)
+    info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
+    parts = _Parts(
+        cfg, mnt, tree, files, routing.replicas, info, health, router, warnings or RecentWarnings()
+    )
+    if cfg.engine == "native":
+        return parts.native(usage_path, saving, history.runs)
+    return parts.pyfuse3(usage_path, saving, history.runs, io or OsIO(direct=cfg.backing_io == "direct"))
+
+
+def _routing(
+    cfg: MountConfig, replicas: list[Replica], files: Mapping[int, ServedFile], history: Usage
+) -> _Routing:
+    """The weights: given, or probed; raised for the mirrors' files when mirrors are partial."""
+    probed: list[ProbeResult] = []
+    if cfg.weights is None and cfg.probe_seconds > 0 and len(replicas) > 1:
+        probed = probe(replicas, list(files.values()), cfg.probe_seconds)
+        for line in table(probed).splitlines():
+            log.info("probe: %s", line)
+        replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]
+    log.info("%s", describe(replicas, cfg.weights_source, files))
+    weights, partial = [r.weight for r in replicas], None
+    if len(replicas) > 1 and history:
+        weights, partial = partial_weights(files, weights, history)
+        if partial is not None:
+            log.info(
+                "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
+                "expected byte split %s",
+                " / ".join(f"{100 * x:.0f}%" for x in partial["coverage"][1:]),
+                ":".join(f"{w:.3g}" for w in weights),
+                " / ".join(f"{100 * x:.0f}%" for x in partial["predicted_byte_share"]),
+            )
+    shown = tuple(
+        {
+            "path": p.replica.root,
+            "mb_per_s": p.mb_per_s,
+            "bytes": p.nbytes,
+            "seconds": p.seconds,
+            "direct": p.direct,
+        }
+        for p in probed
+    )
+    return _Routing(replicas, weights, shown, partial)
+
+
+@dataclass(frozen=True)
+class _Parts:
+    """What both engines are built from."""
+
+    cfg: MountConfig
+    mnt: str
+    tree: Tree
+    files: dict[int, ServedFile]
+    replicas: list[Replica]
+    info: MountInfo
+    health: list[Health]
+    router: Router
+    warnings: RecentWarnings
+
+    def _stats(
+        self,
+        counters: DriveCounters,
+        in_flight: Callable[[], list[int]],
+        recorder: UsageRecorder,
+        tuning: Tuning,
+    ) -> Stats:
+        return Stats(
+            self.replicas, self.info, counters, self.health, in_flight, recorder.status, tuning.applied,
+            self.warnings.lines,
+        )  # fmt: skip
+
+    def _namespace(self, stats: Stats) -> Namespace:
+        return Namespace(self.tree, self.files, stats, self.replicas, self.router.drive_at)
+
+    def pyfuse3(self, usage_path: str | None, saving: bool, runs: int, io: BackingIO) -> Assembly:
+        from colifs.fs import ColiFS
+        from colifs.pyfuse3_engine import Pyfuse3Engine
+        from colifs.reader import Reader
+        from colifs.workers import DriveWorkers
+
+        cfg = self.cfg
+        if cfg.prefetch != "off":
+            log.warning(
+                "--prefetch %s needs the native engine; the pyfuse3 engine does not prefetch", cfg.prefetch
+            )
+        workers = [
+            DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
+            for r in self.replicas
+        ]
+        tally = Tally() if saving else None
+        recorder = UsageRecorder(usage_path, saving, runs, tally)
+        tuning = Tuning(cfg.knobs)
+        stats = self._stats(Counters(len(self.replicas)), lambda: [w.busy for w in workers], recorder, tuning)
+        reader = Reader(
+            self.replicas, workers, io, stats, self.health, self.router, tally, list(self.files.values())
+        )
+        ns = self._namespace(stats)
+        ops = ColiFS(ns, reader, workers[0].run)
+        options = mount_options(cfg.allow_other, cfg.fuse_options)
+        engine = Pyfuse3Engine(ops, reader, workers, self.mnt, options)
+        return Assembly(self.mnt, options, self.files, stats, ns, engine, recorder, tuning)
+
+    def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
+        from colifs.native import NativeCounters, NativeEngine, key_table
+
+        cfg = self.cfg
+        served = list(self.files.values())
+        counters = NativeCounters(len(self.replicas), key_table(served), served)
+        recorder = UsageRecorder(usage_path, saving, runs, counters)
+        tuning = Tuning(cfg.knobs)
+        stats = self._stats(counters, counters.in_flight, recorder, tuning)
+        ns = self._namespace(stats)
+        options = mount_options(cfg.allow_other, cfg.fuse_options)
+        engine = NativeEngine(
+            ns,
+            counters,
+            self.health,
+            self.router,
+            self.mnt,
+            options,
+            direct=cfg.backing_io == "direct",
+            fuse_threads=cfg.fuse_threads,
+            drive_threads=cfg.threads_per_drive,
+            mirror_timeout=cfg.mirror_timeout,
+            prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
+        )
+        return Assembly(self.mnt, options, self.files, stats, ns, engine, recorder, tuning)

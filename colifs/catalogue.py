@@ -1,0 +1,100 @@
+"""The catalogue of served files, built once at mount: every regular file of the primary's tree,
+model files validated against each mirror (colifs.replicas), the copies a `colifs stage` receipt
+vouches for, each extent's routing position and stripe rotation; and the weights that make partial
+mirrors split the traffic as the weights say.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+
+from colifs.formats import format_of
+from colifs.moe import Configs
+from colifs.replicas import Replica, ServedFile, validate
+from colifs.routing import CHUNK, balanced_weights, expected_shares, positions, stripe_rotation
+from colifs.stage import load_receipt, receipt_vouches
+from colifs.tree import Tree
+from colifs.usage import Usage, key_sizes, traffic
+
+
+def build_files(tree: Tree, replicas: Sequence[Replica]) -> dict[int, ServedFile]:
+    """Every regular file of the tree by inode; model files (safetensors, GGUF) validated and routed."""
+    configs = Configs(tree.root)
+    checked: dict[int, ServedFile] = {}
+    for node in tree.files():
+        fmt = format_of(node.relpath)
+        if fmt is None:
+            checked[node.ino] = ServedFile(node.relpath, node.st.st_size)
+        else:
+            path = os.path.join(tree.root, node.relpath)
+            checked[node.ino] = validate(path, node.relpath, replicas, fmt, configs.experts_for(node.relpath))
+    vouched = _vouched(checked, tree, replicas)
+    where = positions(k for f in checked.values() if f.layout for k in f.layout.keys)
+    key_bytes = key_sizes(f.layout for f in checked.values() if f.layout is not None)
+    # Keys smaller than two chunks stay whole on one drive, in both routing modes.
+    rotation = {k: stripe_rotation(k) if n >= 2 * CHUNK else -1 for k, n in key_bytes.items()}
+    files = {}
+    for ino, f in checked.items():
+        keys = f.layout.keys if f.layout is not None else ()
+        files[ino] = dataclasses.replace(
+            f,
+            positions=tuple(where[k] for k in keys),
+            stripes=tuple(rotation[k] for k in keys),
+            vouched=vouched.get(ino, ()),
+        )
+    return files
+
+
+def _vouched(files: Mapping[int, ServedFile], tree: Tree, replicas: Sequence[Replica]) -> dict[int, tuple]:
+    """Per file, the mirrors whose `colifs stage` receipt still vouches for its copy (SHA-256-checked)."""
+    out: dict[int, tuple[int, ...]] = {}
+    for r in replicas[1:]:
+        receipt = load_receipt(r.root)
+        if not receipt:
+            continue
+        for ino, f in files.items():
+            if r.index in f.replicas and receipt_vouches(
+                receipt.get(f.relpath), f.size, tree.nodes[ino].st.st_mtime_ns, f.identities[r.index][3]
+            ):
+                out[ino] = (*out.get(ino, ()), r.index)
+    return out
+
+
+def partial_weights(
+    files: Mapping[int, ServedFile], weights: Sequence[float], history: Usage
+) -> tuple[list[float], dict | None]:
+    """Weights such that, with partial mirrors, the bytes split as the weights say (as far as the
+    copies allow), from the traffic in the usage history; and what stats.json shows of it. None
+    when every mirror is full (or nothing was ever read)."""
+    layouts = {f.relpath: f.layout for f in files.values() if f.layout is not None}
+    expected = traffic(layouts, history)
+    by_set: dict[tuple[int, ...], float] = defaultdict(float)
+    for f in files.values():
+        if f.layout is not None:
+            by_set[f.replicas] += expected[f.relpath]
+    total = sum(by_set.values())
+    full = tuple(range(len(weights)))
+    if total <= 0 or by_set.get(full, 0.0) >= total:
+        return list(weights), None
+    balanced = balanced_weights(weights, by_set)
+    scale = weights[0] / balanced[0] if balanced[0] > 1e-9 else sum(weights)
+    return [w * scale for w in balanced], {
+        "coverage": [sum(t for s, t in by_set.items() if i in s) / total for i in range(len(weights))],
+        "plain_weights": list(weights),
+        "weights_for_held_files": [w * scale for w in balanced],
+        "predicted_byte_share": expected_shares(balanced, by_set),
+        "plain_byte_share": expected_shares(weights, by_set),
+    }
+
+
+def describe(replicas: Sequence[Replica], source: str, files: Mapping[int, ServedFile]) -> str:
+    """The mount's first log line: each replica, its weight, how many model files it serves."""
+    models = [f for f in files.values() if f.is_model]
+    parts = []
+    for r in replicas:
+        held = sum(1 for f in models if r.index in f.replicas)
+        parts.append(f"{r.role} {r.root} (weight {r.weight:g}, {held}/{len(models)} model files)")
+    return f"weights {source}: " + ", ".join(parts)

@@ -1,0 +1,87 @@
+"""Talking to a running mount from another process: its stats.json, unmounting it and waiting for
+its daemon, the route of a byte (an extended attribute). Errors are one line (QuietError)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+
+from colifs.errors import BusyError, NotMountedError, QuietError, UsageError
+from colifs.kernel import mount_type
+from colifs.namespace import CONTROL_DIR, ROUTE_XATTR
+from colifs.unmount import Busy, UnmountFailed, describe, unmount
+
+
+def read_stats(mountpoint: str) -> dict:
+    """The mount's stats.json; NotMountedError when it is not a (live) colifs mount."""
+    path = os.path.join(mountpoint, CONTROL_DIR.decode(), "stats.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise NotMountedError(f"{mountpoint} is not a colifs mount") from None
+    except OSError as e:
+        if e.errno == errno.ENOTCONN:
+            raise NotMountedError(f"{mountpoint}: stale mount, its daemon is gone") from None
+        raise NotMountedError(f"{mountpoint}: {e.strerror}") from None
+
+
+def umount(mountpoint: str, lazy: bool, timeout: float) -> str | None:
+    """Unmount and wait for the daemon to exit (it saves its usage first); what to tell the user,
+    if anything. Busy without `lazy`: BusyError naming who uses it (nothing is pulled)."""
+    mnt = os.path.realpath(mountpoint)
+    if mount_type(mnt) != "fuse.colifs":
+        raise NotMountedError(f"{mnt} is not a colifs mount")
+    try:
+        pid = int(read_stats(mnt)["pid"])
+    except NotMountedError:  # stale: the daemon died; only the kernel's mount is left
+        _unmount_or_fail(mnt, lazy=True)
+        return f"cleared stale mount {mnt}"
+    try:
+        unmount(mnt)  # the kernel refuses while any process uses the mount
+    except Busy as e:
+        if not lazy:
+            raise BusyError(f"{e} (it keeps serving; --lazy detaches it now)") from None
+        _unmount_or_fail(mnt, lazy=True)
+        return (
+            f"detached {mnt}; daemon {pid} serves what is still open or mapped and exits once "
+            f"the last process lets go ({describe(e.users)})"
+        )
+    except UnmountFailed as e:
+        raise QuietError(f"cannot unmount {mnt}: {e}") from None
+    deadline = time.monotonic() + timeout
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise QuietError(f"daemon {pid} of {mnt} did not exit within {timeout:g} s")
+        time.sleep(0.02)
+    return None
+
+
+def _unmount_or_fail(mnt: str, lazy: bool) -> None:
+    try:
+        unmount(mnt, lazy)
+    except UnmountFailed as e:
+        raise QuietError(f"cannot unmount {mnt}: {e}") from None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def route(path: str, offset: int) -> dict:
+    """The tensor, key and drive of byte `offset` of a file on a mount, as the mount answers."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path} is not a file")
+    try:
+        raw = os.getxattr(path, ROUTE_XATTR.decode() + str(offset))
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            raise UsageError(f"offset {offset} is outside {path} ({os.path.getsize(path)} bytes)") from None
+        raise NotMountedError(f"{path} is not a file on a colifs mount") from None
+    return json.loads(raw)

@@ -1,0 +1,117 @@
+"""A mount's configuration: `colifs mount`'s options checked into one `MountConfig`, and the one
+place that decides where weights come from (--weights, $COLI_DISK_WEIGHTS, a probe, equal)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from colifs.errors import UsageError
+from colifs.kernel import Knobs
+from colifs.routing import parse_weights
+
+WEIGHTS_ENV = "COLI_DISK_WEIGHTS"
+ENGINE_ENV = "COLIFS_ENGINE"  # the default of --engine
+ENGINES = ("native", "pyfuse3")
+# Chosen by the benchmarks in docs/benchmarks.md (buffered and mmap readers, one and many, slow and
+# fast drives): the native engine's requests are cheap, so the kernel's readahead reads little past
+# an expert's end; a pyfuse3 request costs ~20 µs of Python, so there fewer, bigger ones win.
+DEFAULT_READ_AHEAD_KB = {"native": 128, "pyfuse3": 512}
+DEFAULT_MAX_BACKGROUND = 256
+
+
+@dataclass
+class MountConfig:
+    primary: str
+    mirrors: list[str]
+    mountpoint: str
+    weights: list[float] | None = None  # None: probed (or equal when probe_seconds is 0)
+    weights_source: str = "probed"
+    probe_seconds: float = 2.0
+    threads_per_drive: int = 8
+    backing_io: str = "direct"  # or "buffered"
+    routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
+    prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
+    engine: str = "native"  # or "pyfuse3": the portable reference engine
+    fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
+    knobs: Knobs = field(
+        default_factory=lambda: Knobs(DEFAULT_READ_AHEAD_KB["native"], DEFAULT_MAX_BACKGROUND)
+    )
+    allow_other: bool = False
+    mirror_timeout: float | None = 5.0  # a mirror read unanswered after this is re-read from the primary
+    usage: bool = True  # count what is served per key and file, and save it
+    usage_file: str | None = None  # default: PRIMARY/.colifs-usage.json
+    usage_interval: float = 60.0  # seconds between saves (and one at unmount)
+    fuse_options: list[str] = field(default_factory=list)
+
+
+def given_weights(flag: str | None, count: int) -> tuple[list[float] | None, str]:
+    """The weights given by --weights, else by $COLI_DISK_WEIGHTS, and which; (None, "") if neither."""
+    text, source = flag, "given (--weights)"
+    if text is None and os.environ.get(WEIGHTS_ENV):
+        text, source = os.environ[WEIGHTS_ENV], f"given (${WEIGHTS_ENV})"
+    if text is None:
+        return None, ""
+    try:
+        return parse_weights(text, count), source
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def mount_config(args: argparse.Namespace) -> MountConfig:
+    """`colifs mount`'s arguments as a MountConfig; UsageError names the first bad one."""
+    if len(args.dirs) < 2:
+        raise UsageError("mount needs PRIMARY [MIRROR ...] MOUNTPOINT")
+    *roots, mountpoint = args.dirs
+    weights, source = given_weights(args.weights, len(roots))
+    if weights is None:
+        source = "default (equal)" if args.no_probe or len(roots) == 1 else "probed"
+    _check_numbers(args)
+    return MountConfig(
+        roots[0],
+        roots[1:],
+        mountpoint,
+        weights,
+        source,
+        probe_seconds=0.0 if args.no_probe else args.probe_seconds,
+        threads_per_drive=args.threads_per_drive,
+        backing_io=args.backing_io,
+        routing=args.routing,
+        prefetch=args.prefetch,
+        engine=args.engine,
+        fuse_threads=args.fuse_threads,
+        knobs=Knobs(
+            DEFAULT_READ_AHEAD_KB[args.engine] if args.readahead_kb is None else args.readahead_kb,
+            DEFAULT_MAX_BACKGROUND if args.max_background is None else args.max_background,
+        ),
+        allow_other=args.allow_other,
+        mirror_timeout=args.mirror_timeout or None,
+        usage=not args.no_usage,
+        usage_file=args.usage_file,
+        usage_interval=args.usage_interval,
+    )
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    if args.engine not in ENGINES:  # from the environment: argparse checks only given values
+        raise UsageError(f"${ENGINE_ENV}={args.engine!r}: not one of {', '.join(ENGINES)}")
+    if args.threads_per_drive < 1 or args.fuse_threads < 1:
+        raise UsageError("--threads-per-drive and --fuse-threads must be at least 1")
+    if not args.usage_interval > 0:
+        raise UsageError("--usage-interval must be a positive number of seconds")
+    if not args.mirror_timeout >= 0:
+        raise UsageError("--mirror-timeout must be 0 or more seconds")
+    for value in (args.readahead_kb, args.max_background):
+        if value is not None and value < 0:
+            raise UsageError("--readahead-kb and --max-background must be 0 or more")
+
+
+def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:
+    """The FUSE mount options of either engine (default_permissions: the kernel checks modes)."""
+    options = {"default_permissions", "ro", "fsname=colifs", "subtype=colifs", "noatime"}
+    if allow_other:
+        options.add("allow_other")
+    options.update(extra)
+    return sorted(options)

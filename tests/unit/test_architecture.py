@@ -1,0 +1,105 @@
+"""The shape of the code, checked: state has one owner (no module assigns another object's
+attributes), every function stays simple enough to read top-down, the commands that need no mount
+import no FUSE, and the README's module table names every module."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+from radon.complexity import cc_visit
+
+from tests.helpers import ROOT
+
+PACKAGE = ROOT / "colifs"
+MAX_COMPLEXITY = 15  # radon's cyclomatic complexity: every function below it
+# Objects filled field by field because their type offers nothing else: pyfuse3's reply structs,
+# the stdlib logger's configuration.
+ALLOWED = {("fs.py", "e"), ("fs.py", "out"), ("logs.py", "log")}
+MUTATORS = {"append", "extend", "add", "update", "pop", "discard", "clear", "setdefault", "remove", "insert"}
+
+
+def _base(node: ast.expr) -> ast.expr:
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        node = node.value
+    return node
+
+
+def _foreign(target: ast.expr) -> str | None:
+    """The name whose attribute `target` writes, unless it is the object's own (self, cls)."""
+    if isinstance(target, ast.Subscript):
+        target = target.value
+        while isinstance(target, ast.Subscript):
+            target = target.value
+    if not isinstance(target, ast.Attribute):
+        return None
+    base = _base(target)
+    if isinstance(base, ast.Name) and base.id in ("self", "cls"):
+        return None
+    return ast.unparse(base)
+
+
+def _writes(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in MUTATORS
+            and isinstance(node.func.value, ast.Attribute)
+        ):
+            targets = [node.func.value]
+        for target in targets:
+            for part in ast.walk(target) if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(part, ast.expr) and (who := _foreign(part)) is not None:
+                    yield node.lineno, who, ast.unparse(part)
+
+
+def test_no_module_assigns_another_objects_attributes() -> None:
+    found = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        for line, who, what in _writes(ast.parse(path.read_text())):
+            if (path.name, who) not in ALLOWED:
+                found.append(f"{path.name}:{line}: {what}")
+    assert not found, "state written from outside its owner (give the owner a method):\n" + "\n".join(found)
+
+
+def test_the_check_sees_an_outside_assignment() -> None:
+    code = "def f(stats, of):\n    stats.usage = 1\n    of.fds[0] = 2\n    of.seen.add(3)\n    self.x = 4\n"
+    assert [w for _, w, _ in _writes(ast.parse(code))] == ["stats", "of", "of"]
+
+
+def test_every_function_is_simple_enough() -> None:
+    complex_ = []
+    for path in sorted([*PACKAGE.glob("*.py"), *(ROOT / "contrib").rglob("*.py")]):
+        for block in cc_visit(path.read_text()):
+            for fn in [block, *getattr(block, "methods", [])]:
+                if fn.complexity >= MAX_COMPLEXITY:
+                    complex_.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {fn.complexity}")
+    assert not complex_, f"complexity {MAX_COMPLEXITY} or more:\n" + "\n".join(sorted(set(complex_)))
+
+
+def test_commands_without_a_mount_import_no_fuse() -> None:
+    """plan, stage, verify, probe, stats, route, top: quick to start, usable without libfuse."""
+    code = (
+        "import sys, colifs.cli, colifs.plan, colifs.stage, colifs.verify, colifs.probe, colifs.client, "
+        "colifs.tables, colifs.catalogue, colifs.checks, colifs.config, colifs.top, colifs.metrics; "
+        "print(sorted(m for m in ('pyfuse3', 'trio', 'colifs._native') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_readme_module_table_names_every_module() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(?:colifs/)?(\w+\.py)`", section))
+    modules = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py", "__main__.py"}
+    assert modules <= listed, f"not in the README's module table: {sorted(modules - listed)}"
