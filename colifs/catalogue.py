@@ -56,7 +56,7 @@ def _vouched(files: Mapping[int, ServedFile], tree: Tree, replicas: Sequence[Rep
         if not receipt:
             continue
         for ino, f in files.items():
-            if r.index in f.replicas and receipt_vouches(
+            if r.index in f.copies and receipt_vouches(
                 receipt.get(f.relpath), f.size, tree.nodes[ino].st.st_mtime_ns, f.identities[r.index][3]
             ):
                 out[ino] = (*out.get(ino, ()), r.index)
@@ -74,7 +74,7 @@ def partial_weights(
     by_set: dict[tuple[int, ...], float] = defaultdict(float)
     for f in files.values():
         if f.layout is not None:
-            by_set[f.replicas] += expected[f.relpath]
+            by_set[f.copies] += expected[f.relpath]
     total = sum(by_set.values())
     full = tuple(range(len(weights)))
     if total <= 0 or by_set.get(full, 0.0) >= total:
@@ -95,6 +95,6 @@ def describe(replicas: Sequence[Replica], source: str, files: Mapping[int, Serve
     models = [f for f in files.values() if f.is_model]
     parts = []
     for r in replicas:
-        held = sum(1 for f in models if r.index in f.replicas)
+        held = sum(1 for f in models if r.index in f.copies)
         parts.append(f"{r.role} {r.root} (weight {r.weight:g}, {held}/{len(models)} model files)")
     return f"weights {source}: " + ", ".join(parts)

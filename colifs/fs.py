@@ -146,16 +146,16 @@ class ColiFS(pyfuse3.Operations):
 
     @fuse_boundary
     async def read(self, fh: int, off: int, size: int) -> bytes | bytearray | memoryview:
-        h = self._handles[fh]
-        if isinstance(h, bytes):
-            return h[off : off + size]
-        return await self.reader.read(h, off, size)
+        handle = self._handles[fh]
+        if isinstance(handle, bytes):  # a control file's snapshot
+            return handle[off : off + size]
+        return await self.reader.read(handle, off, size)
 
     @fuse_boundary
     async def release(self, fh: int) -> None:
-        h = self._handles.pop(fh)
-        if isinstance(h, OpenFile):
-            self.reader.release(h)
+        handle = self._handles.pop(fh)
+        if isinstance(handle, OpenFile):
+            self.reader.release(handle)
 
     @fuse_boundary
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:

@@ -171,7 +171,7 @@ class Namespace:
             checked = " (data SHA-256-checked: colifs stage receipt)"
             lines = [
                 f"{self.replicas[i].role} {self.replicas[i].root}" + (checked if i in f.vouched else "")
-                for i in f.replicas
+                for i in f.copies
             ]
             return ("\n".join(lines) + "\n").encode()
         if name.startswith(ROUTE_XATTR):
@@ -198,6 +198,6 @@ class Namespace:
             "key": key._asdict() if isinstance(key, ExpertKey) else key,
             "drive": self.stats.names()[drive],
             "path": self.replicas[drive].root,
-            "valid_copies": [self.replicas[i].root for i in f.replicas],
+            "valid_copies": [self.replicas[i].root for i in f.copies],
             "tensors_keyed": dict(f.layout.keying) if f.layout is not None else {},
         }

@@ -19,18 +19,18 @@ from collections.abc import Callable, Mapping, Sequence
 import trio
 
 from colifs import _native
-from colifs.backing import Changed, OsIO, check_read
+from colifs.backing import OsIO, check_read
 from colifs.boundary import request_errno
-from colifs.buffers import align_down
 from colifs.errors import MountError
 from colifs.health import Health
 from colifs.layout import ExpertKey, Key
 from colifs.logs import WarnOnce
+from colifs.mirrors import MirrorPolicy
 from colifs.namespace import CONTROL_FILES, CONTROL_INO, Namespace
 from colifs.readplan import Router, run_table
 from colifs.replicas import Replica, ServedFile
-from colifs.routing import CHUNK
 from colifs.usage import Usage
+from colifs.workers import TimedOut
 
 log = logging.getLogger("colifs")
 
@@ -197,6 +197,7 @@ class NativeEngine:
         self.prefetching = prefetch_max > 0
         self._prefetch_paused = False
         self._warn = WarnOnce()
+        self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
         self._seen_ok = [0] * len(self.replicas)
         self._thread: threading.Thread | None = None
         index = {id(f): i for i, f in enumerate(self.files)}
@@ -252,7 +253,7 @@ class NativeEngine:
         return nodes, children
 
     def _file_row(self, f: ServedFile, key_ids: Mapping[Key, int]) -> tuple:
-        mask = sum(1 << d for d in f.replicas)
+        mask = sum(1 << d for d in f.copies)
         idents = [f.identities.get(d, (0, 0, 0, 0)) for d in range(len(self.replicas))]
         starts, keys, drives = run_table(f, self.weights, self.striping, key_ids)
         return (os.fsencode(f.relpath), f.size, mask, idents, starts, keys, drives)
@@ -286,7 +287,6 @@ class NativeEngine:
     def _on_event(
         self, kind: int, drive: int, f: ServedFile | None, text: str, timed_out: bool, successes: int
     ) -> None:
-        root = self.replicas[drive].root
         if kind == _native.EV_NO_DIRECT:
             log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", text)
             return
@@ -297,33 +297,16 @@ class NativeEngine:
             return
         if kind == _native.EV_MIRROR_CHANGED:
             self.stats.failed(drive, f"changed since mount: {text}")
-            self._changed(f, drive, text)
+            self.mirrors.changed(f, drive, text)
             return
-        h = self.health[drive]
         if successes != self._seen_ok[drive]:  # a success since the last failure: not "in a row"
             self._seen_ok[drive] = successes
-            h.succeeded()
+            self.health[drive].succeeded()
         self.stats.failed(drive, text)
-        if h.failed(text, timed_out):
-            self.engine.set_up(drive, False)
-            log.warning(
-                "mirror %s: %d failures in a row (last: %s); its reads go to the primary until a "
-                "check read passes",
-                root,
-                h.in_a_row,
-                text,
-            )
-        self._warn(
-            (f.relpath, drive), "%s: mirror %s: %s; reading from the primary instead", f.relpath, root, text
-        )
+        self.mirrors.read_failed(f, drive, text, timed_out)
 
-    def _changed(self, f: ServedFile, drive: int, what: str) -> None:
-        if drive in f.replicas:
-            root = self.replicas[drive].root
-            f.drop(drive, f"mirror {root}: changed since mount ({what})")
-            log.warning(
-                "%s: mirror %s: changed since mount (%s); no longer used for this file", f.relpath, root, what
-            )
+    def _set_up(self, drive: int, up: bool) -> None:
+        self.engine.set_up(drive, up)
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -355,10 +338,8 @@ class NativeEngine:
         """Runs for the life of the mount: checks each down mirror once its back-off is over, and
         pauses the prefetch while memory is short."""
         while True:
-            for d in range(1, len(self.replicas)):
-                h = self.health[d]
-                if h.due():
-                    await self._check(d, h)
+            for d in self.mirrors.due():
+                await self.mirrors.check(d, self._check_read)
             if self.prefetching:
                 self._mind_memory()
             await trio.sleep(WATCH_TICK)
@@ -374,27 +355,17 @@ class NativeEngine:
         state = "paused" if self._prefetch_paused else "resumed"
         log.warning("prefetch %s: %.0f%% of the memory is available", state, 100 * share)
 
-    async def _check(self, drive: int, h: Health) -> None:
-        n = h.next_check()
-        held = [f for f in self.files if drive in f.replicas and f.size > 0]
-        f = held[n % len(held)] if held else None
+    async def _check_read(self, drive: int, f: ServedFile | None, offset: int) -> None:
         root = self.replicas[drive].root
         try:
             with trio.fail_after(self.mirror_timeout or math.inf):
                 if f is None:  # no file left on it to read: its directory must still be there
                     await trio.to_thread.run_sync(os.stat, root, abandon_on_cancel=True)
                 else:
-                    offset = align_down(n * CHUNK % f.size)
                     path = os.path.join(root, f.relpath)
+                    ident = f.identities[drive]
                     await trio.to_thread.run_sync(
-                        check_read, self._io, path, f.identities[drive], offset, abandon_on_cancel=True
+                        check_read, self._io, path, ident, offset, abandon_on_cancel=True
                     )
-        except (OSError, trio.TooSlowError, Changed) as e:
-            if isinstance(e, Changed) and f is not None:
-                self._changed(f, drive, str(e))
-            timed_out = isinstance(e, trio.TooSlowError)
-            h.check_failed(f"check read: {'timeout' if timed_out else e}", timed_out)
-            return
-        down_for = h.check_passed()
-        self.engine.set_up(drive, True)
-        log.warning("mirror %s: check read passed; back in use (down for %.1f s)", root, down_for)
+        except trio.TooSlowError:
+            raise TimedOut(f"no answer within {self.mirror_timeout:g} s") from None

@@ -215,7 +215,7 @@ def prediction_weights(flag: str | None, plan: Plan) -> tuple[list[float], str]:
         for c in plan.choices
         if c.shard.layout is not None
     ]
-    if any(f.replicas == (0, 1) for f in files):
+    if any(f.copies == (0, 1) for f in files):
         results = probe(plan.replicas, files, 2.0)
         if all(r.mb_per_s for r in results):
             return weights_from(results), "probed"

@@ -37,7 +37,7 @@ class ProbeResult:
 def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
     """(path, offset) pairs spread over the data of the replica's largest model files."""
     held = sorted(
-        (f for f in files if f.layout is not None and replica.index in f.replicas),
+        (f for f in files if f.layout is not None and replica.index in f.copies),
         key=lambda f: f.size,
         reverse=True,
     )[:8]

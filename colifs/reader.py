@@ -22,10 +22,10 @@ from colifs.buffers import BLOCK, BufferPool, align_down, align_up
 from colifs.health import Health
 from colifs.layout import ExpertKey
 from colifs.logs import WarnOnce
+from colifs.mirrors import MirrorPolicy, describe
 from colifs.readplan import Piece, Router, merge, pieces
 from colifs.recorder import Tally
 from colifs.replicas import Identity, Replica, ServedFile
-from colifs.routing import CHUNK
 from colifs.stats import Stats
 from colifs.workers import DriveWorkers, TimedOut, gather
 
@@ -95,6 +95,7 @@ class Reader:
         self.stats = stats
         self._open: dict[str, OpenFile] = {}
         self._warn = WarnOnce()
+        self.mirrors = MirrorPolicy(replicas, health, files, self._set_up)
 
     # -- descriptors -------------------------------------------------------------------------
 
@@ -107,7 +108,7 @@ class Reader:
             if of is None:
                 fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
                 weights = [self.weights[0]] + [0.0] * (len(self.replicas) - 1)
-                of = self._open[f.relpath] = OpenFile(f, fds, weights, set(f.replicas[1:]))
+                of = self._open[f.relpath] = OpenFile(f, fds, weights, set(f.copies[1:]))
                 await self._attach(of)
                 return of
             self.io.close(fd)  # another task opened it meanwhile
@@ -121,17 +122,16 @@ class Reader:
         """
         f = of.file
         for i in of.reattach(self._down):
-            if i not in f.replicas:
+            if i not in f.copies:
                 continue
             try:
                 fd = await self.workers[i].run(
                     open_checked, self.io, self._path(i, f), f.identities[i], on_late=self._close_late
                 )
             except (OSError, TimedOut) as e:
-                self._mirror_failed(i, f"cannot open {f.relpath} ({_describe(e)})", isinstance(e, TimedOut))
-                self._mirror_trouble(f, i, f"cannot open ({_describe(e)})")
+                self.mirrors.read_failed(f, i, f"cannot open ({describe(e)})", isinstance(e, TimedOut))
             except Changed as e:
-                self._mirror_changed(f, i, str(e))
+                self.mirrors.changed(f, i, str(e))
             else:
                 of.attach(i, fd, self.weights[i])
 
@@ -172,7 +172,7 @@ class Reader:
     def _count(self, f: ServedFile, plan: list[Piece], asked: int) -> None:
         """Count routed bytes per layer (files a mirror holds), and usage: only bytes from `asked` on
         (the caller's offset before rounding to BLOCK), once per extent."""
-        mirrored = len(f.replicas) > 1
+        mirrored = len(f.copies) > 1
         asked_of: dict[int, int] = {}  # extent -> bytes from `asked` on
         for start, stop, drive, extent in plan:
             if extent < 0:
@@ -271,7 +271,7 @@ class Reader:
         valid = base
         for (s, e, d), result in zip(runs, results, strict=True):
             if isinstance(result, outcome.Error):  # only the primary's errors are left
-                self.stats.failed(0, f"read error at {s}: {_describe(result.error)}")
+                self.stats.failed(0, f"read error at {s}: {describe(result.error)}")
                 self._warn((of.file.relpath, 0), "%s: primary read error: %s", of.file.relpath, result.error)
                 raise result.error
             if d == 0:
@@ -291,14 +291,14 @@ class Reader:
         if isinstance(result, outcome.Error) and isinstance(result.error, Changed):
             self.stats.failed(d, f"changed since mount: {result.error}")
             self.stats.fell_back()
-            self._mirror_changed(of.file, d, str(result.error))
+            self.mirrors.changed(of.file, d, str(result.error))
             of.stop_using(d)
             return False
         timed_out = False
         if isinstance(result, outcome.Error):
             timed_out = isinstance(result.error, TimedOut)
             what = "timeout" if timed_out else "read error"
-            problem = f"{what} at {s}: {_describe(result.error)}"
+            problem = f"{what} at {s}: {describe(result.error)}"
         elif result.value < min(e, size) - s:
             problem = f"short read at {s}: {result.value} of {min(e, size) - s} bytes"
         else:
@@ -307,83 +307,35 @@ class Reader:
             return True
         self.stats.failed(d, problem)
         self.stats.fell_back()
-        self._mirror_failed(d, problem, timed_out)
-        self._mirror_trouble(of.file, d, problem)
+        self.mirrors.read_failed(of.file, d, problem, timed_out)
         return False
 
-    # -- mirror health -----------------------------------------------------------------------
+    # -- mirror health (colifs.mirrors decides) --------------------------------------------------
 
-    def _mirror_failed(self, drive: int, problem: str, timed_out: bool = False) -> None:
-        if self.health[drive].failed(problem, timed_out):
+    def _set_up(self, drive: int, up: bool) -> None:
+        if up:
+            self._down.discard(drive)
+        else:
             self._down.add(drive)
             self._went_down.set()
-            log.warning(
-                "mirror %s: %d failures in a row (last: %s); its reads go to the primary until a "
-                "check read passes",
-                self.replicas[drive].root,
-                self.health[drive].in_a_row,
-                problem,
-            )
 
     async def watch(self) -> None:
         """Runs for the life of the mount: checks each down mirror once its back-off is over."""
         while True:
-            for d in sorted(self._down):
-                if self.health[d].due():
-                    await self._check(d)
+            for d in self.mirrors.due():
+                await self.mirrors.check(d, self._check_read)
             wait = min((self.health[d].wait() for d in self._down), default=math.inf)
             with trio.move_on_after(wait):
                 await self._went_down.wait()
             if self._went_down.is_set():
                 self._went_down = trio.Event()
 
-    async def _check(self, drive: int) -> None:
-        """One small read from the drive (a different file and offset each time)."""
-        h = self.health[drive]
-        n = h.next_check()
-        held = [f for f in self.files if drive in f.replicas and f.size > 0]
-        f = held[n % len(held)] if held else None
-        try:
-            if f is None:  # no file left on it to read: its directory must still be there
-                await self.workers[drive].run(os.stat, self.replicas[drive].root)
-            else:
-                offset = align_down(n * CHUNK % f.size)
-                await self.workers[drive].run(
-                    check_read, self.io, self._path(drive, f), f.identities[drive], offset
-                )
-        except (OSError, TimedOut, Changed) as e:
-            if isinstance(e, Changed) and f is not None:
-                self._mirror_changed(f, drive, str(e))
-            h.check_failed(f"check read: {_describe(e)}", isinstance(e, TimedOut))
-            log.debug(
-                "mirror %s: check read failed (%s); next in %.0f s", self.replicas[drive].root, e, h.wait()
-            )
-            return
-        down_for = h.check_passed()
-        self._down.discard(drive)
-        log.warning(
-            "mirror %s: check read passed; back in use (down for %.1f s)", self.replicas[drive].root, down_for
-        )
-
-    def _mirror_changed(self, f: ServedFile, drive: int, what: str) -> None:
-        """A mirror copy changed after mount: never used again for this file."""
-        if drive in f.replicas:
-            f.drop(drive, f"mirror {self.replicas[drive].root}: changed since mount ({what})")
-            log.warning(
-                "%s: mirror %s: changed since mount (%s); no longer used for this file",
-                f.relpath,
-                self.replicas[drive].root,
-                what,
-            )
-
-    def _mirror_trouble(self, f: ServedFile, drive: int, problem: str) -> None:
-        self._warn(
-            (f.relpath, drive),
-            "%s: mirror %s: %s; reading from the primary instead",
-            f.relpath,
-            self.replicas[drive].root,
-            problem,
-        )
+    async def _check_read(self, drive: int, f: ServedFile | None, offset: int) -> None:
+        if f is None:  # no file left on it to read: its directory must still be there
+            await self.workers[drive].run(os.stat, self.replicas[drive].root)
+        else:
+            path = self._path(drive, f)
+            await self.workers[drive].run(check_read, self.io, path, f.identities[drive], offset)
 
 
 def snap(runs: list[tuple[int, int, int]], stop: int) -> list[tuple[int, int, int]]:
@@ -421,7 +373,3 @@ def _salvage(
 def _overlap(s: int, e: int, off: int, end: int) -> int:
     """Bytes of [s, e) inside the caller's range [off, end): what the drive delivered to the mount."""
     return max(0, min(e, end) - max(s, off))
-
-
-def _describe(error: BaseException) -> str:
-    return (error.strerror if isinstance(error, OSError) else None) or repr(error)

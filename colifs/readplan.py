@@ -84,7 +84,7 @@ class Router:
 
     def drive_at(self, f: ServedFile, offset: int) -> int:
         down = {d for d, h in enumerate(self._health) if d and not h.up}
-        weights = usable_weights(self.weights, set(f.replicas) - down)
+        weights = usable_weights(self.weights, set(f.copies) - down)
         return pieces(f, weights, self.striping, offset, offset + 1)[0][2]
 
 
@@ -105,7 +105,7 @@ def run_table(
     a big checkpoint has ~100k extents and ~700k chunks.
     """
     columns = [
-        usable_weights(weights, {d for d in f.replicas if d and (c >> (d - 1)) & 1})
+        usable_weights(weights, {d for d in f.copies if d and (c >> (d - 1)) & 1})
         for c in range(1 << (len(weights) - 1))
     ]
     starts, keys, drives = array("Q"), array("i"), bytearray()

@@ -41,7 +41,8 @@ class Replica:
 
 @dataclass(slots=True)
 class ServedFile:
-    """A regular file of the mount: its layout (None = plain bytes) and the replicas that may serve it.
+    """A regular file of the mount: its layout (None = plain bytes) and `copies`, the indices of the
+    replicas whose copy may serve it (0, the primary, always).
 
     `positions` holds the routing position u of each layout extent and `stripes` its key's stripe
     rotation, or -1 where the key is too small to stripe (see routing.py).
@@ -50,7 +51,7 @@ class ServedFile:
     relpath: str
     size: int
     layout: Layout | None = None
-    replicas: tuple[int, ...] = (0,)
+    copies: tuple[int, ...] = (0,)
     note: str = ""
     positions: tuple[float, ...] = field(default=())
     stripes: tuple[int, ...] = field(default=())
@@ -59,7 +60,7 @@ class ServedFile:
 
     def drop(self, replica: int, why: str) -> None:
         """Stop using a mirror for this file (it changed after mount); notes say why."""
-        self.replicas = tuple(r for r in self.replicas if r != replica)
+        self.copies = tuple(r for r in self.copies if r != replica)
         self.note = "; ".join(x for x in (self.note, why) if x)
 
     @property

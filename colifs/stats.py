@@ -191,8 +191,8 @@ class Stats:
             "partial_mirror": self.info.partial,
             "files": {
                 f.relpath: {
-                    "replicas": [self.replicas[i].root for i in f.replicas],
-                    "vouched_by_receipt": [self.replicas[i].root for i in f.vouched if i in f.replicas],
+                    "replicas": [self.replicas[i].root for i in f.copies],
+                    "vouched_by_receipt": [self.replicas[i].root for i in f.vouched if i in f.copies],
                     "note": f.note,
                     "tensors_keyed": dict(f.layout.keying) if f.layout is not None else {},
                 }

@@ -69,7 +69,7 @@ def test_every_column_of_a_run_table_routes_each_byte_as_pieces_does(case, data,
         off = data.draw(st.integers(0, f.size - 1))
         seg = bisect.bisect_right(starts, off) - 1
         for col in range(ncols):
-            usable = {d for d in f.replicas if d and (col >> (d - 1)) & 1}
+            usable = {d for d in f.copies if d and (col >> (d - 1)) & 1}
             _start, _, drive, extent = pieces(f, usable_weights(weights, usable), striping, off, off + 1)[0]
             assert drives[seg * ncols + col] == drive
             assert drive == 0 or drive in usable  # never a mirror outside the column's set
@@ -137,8 +137,8 @@ def test_stripe_plan_never_uses_a_drive_without_a_valid_copy(tmp_path: Path) -> 
     write_checkpoint(str(primary), "deepseek", layers=1, experts=4, hidden=1024, inter=1024, shards=1)
     mirror.mkdir()  # the mirror lacks the file
     f = _served(primary, mirror, [1, 1])
-    assert f.replicas == (0,)
-    weights = usable_weights([1.0, 1.0], set(f.replicas))
+    assert f.copies == (0,)
+    weights = usable_weights([1.0, 1.0], set(f.copies))
     assert plan(f, weights, True, 0, f.size) == [(0, f.size, 0)]
     health = [Health(), Health()]
     assert Router([1.0, 1.0], True, health).drive_at(f, f.size // 2) == 0

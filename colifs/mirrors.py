@@ -1,0 +1,100 @@
+"""The mirror policy both engines obey: what a failed mirror read, a changed copy and a check read
+do to a mirror (colifs.health keeps the counts). The engines do the reading; this decides, logs
+once, and tells the engine when a mirror leaves or rejoins the routing (`set_up`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+
+from colifs.backing import Changed
+from colifs.buffers import align_down
+from colifs.health import Health
+from colifs.logs import WarnOnce
+from colifs.replicas import Replica, ServedFile
+from colifs.routing import CHUNK
+from colifs.workers import TimedOut
+
+log = logging.getLogger("colifs")
+
+# A check read: (drive, a file it holds or None for its directory, an offset); raises OSError,
+# Changed or TimedOut when the mirror is not well yet.
+CheckRead = Callable[[int, ServedFile | None, int], Awaitable[None]]
+
+
+class MirrorPolicy:
+    """Takes a mirror out of the routing after repeated failures and back once a check read passes;
+    stops using a copy that changed after mount."""
+
+    def __init__(
+        self,
+        replicas: Sequence[Replica],
+        health: Sequence[Health],
+        files: Sequence[ServedFile],
+        set_up: Callable[[int, bool], None],
+    ) -> None:
+        self.replicas = list(replicas)
+        self.health = health
+        self.files = list(files)  # what check reads read from
+        self._set_up = set_up
+        self._warn = WarnOnce()
+
+    def read_failed(self, f: ServedFile, drive: int, problem: str, timed_out: bool) -> None:
+        """A mirror read failed (error, short read, timeout): counted; the file's reads go to the
+        primary (one warning per file); FAILURES_TO_DOWN in a row take the mirror out."""
+        h = self.health[drive]
+        root = self.replicas[drive].root
+        if h.failed(problem, timed_out):
+            self._set_up(drive, False)
+            log.warning(
+                "mirror %s: %d failures in a row (last: %s); its reads go to the primary until a "
+                "check read passes",
+                root, h.in_a_row, problem,
+            )  # fmt: skip
+        self._warn(
+            (f.relpath, drive),
+            "%s: mirror %s: %s; reading from the primary instead",
+            f.relpath,
+            root,
+            problem,
+        )
+
+    def changed(self, f: ServedFile, drive: int, what: str) -> None:
+        """A mirror copy changed after mount: never used again for this file."""
+        if drive in f.copies:
+            root = self.replicas[drive].root
+            f.drop(drive, f"mirror {root}: changed since mount ({what})")
+            log.warning(
+                "%s: mirror %s: changed since mount (%s); no longer used for this file", f.relpath, root, what
+            )
+
+    def due(self) -> list[int]:
+        """The down mirrors whose back-off is over."""
+        return [d for d in range(1, len(self.replicas)) if self.health[d].due()]
+
+    async def check(self, drive: int, read: CheckRead) -> None:
+        """One small read from a down mirror (a different file and offset each time): back in the
+        routing if it passes, a longer back-off if not."""
+        h = self.health[drive]
+        n = h.next_check()
+        held = [f for f in self.files if drive in f.copies and f.size > 0]
+        f = held[n % len(held)] if held else None
+        root = self.replicas[drive].root
+        try:
+            await read(drive, f, align_down(n * CHUNK % f.size) if f is not None else 0)
+        except (OSError, TimedOut, Changed) as e:
+            if isinstance(e, Changed) and f is not None:
+                self.changed(f, drive, str(e))
+            timed_out = isinstance(e, TimedOut)
+            h.check_failed(f"check read: {'timeout' if timed_out else describe(e)}", timed_out)
+            log.debug("mirror %s: check read failed (%s); next in %.0f s", root, e, h.wait())
+            return
+        down_for = h.check_passed()
+        self._set_up(drive, True)
+        log.warning("mirror %s: check read passed; back in use (down for %.1f s)", root, down_for)
+
+
+def describe(error: BaseException) -> str:
+    """An error as a log line shows it: the OS's words for an OSError."""
+    return (error.strerror if isinstance(error, OSError) else None) or repr(error)
