@@ -114,6 +114,15 @@ def colifs_mount(dirs: list[Path], mnt: Path, *flags: str) -> Iterator[dict]:
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of every thread of `pid` (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
 def settle() -> None:
     """Wait for writeback of the freshly written checkpoint to finish, then drop caches."""
     sh("sync")

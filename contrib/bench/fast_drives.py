@@ -26,17 +26,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dual_drive import CGROUP_ROOT, COLIFS, Rig, bench, settle
+from dual_drive import CGROUP_ROOT, COLIFS, Rig, bench, cpu_seconds, settle
 
 from colifs.synth import write_checkpoint
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of every thread of `pid` (/proc/PID/stat fields 14 and 15)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
 
 
 class Daemon:

@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dual_drive import COLIFS, Rig, colifs_mount, settle
+from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 DAEMON_BUFFERS_MIB = 64
@@ -130,11 +130,23 @@ def _one_run(
         cg.set_limit(args.mem_mib)
         return run_engine(py, a / "model.gguf", args, mode, cg)
     with colifs_mount([a, b], mnt, *flags) as st:
-        cg.add(st["pid"])
-        cg.set_limit(args.mem_mib + rss_mib(st["pid"]) + DAEMON_BUFFERS_MIB)
+        pid = st["pid"]
+        cg.add(pid)
+        cg.set_limit(args.mem_mib + rss_mib(pid) + DAEMON_BUFFERS_MIB)
+        cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
         r = run_engine(py, mnt / "model.gguf", args, mode, cg)
-        (MEMORY_ROOT / "cgroup.procs").write_text(f"{st['pid']}\n")
+        after = json.loads((mnt / ".colifs" / "stats.json").read_text())
+        gb = (sum(x["bytes_served"] for x in after["replicas"]) - served0) / 1e9
+        r["daemon_gb"] = gb
+        r["daemon_cpu_s_per_gb"] = (cpu_seconds(pid) - cpu0) / gb if gb else None
+        r["byte_share"] = [x["byte_share"] for x in after["replicas"]]
+        (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
     return r
+
+
+def _median(runs: list[dict], key: str, fmt: str) -> str:
+    values = [x[key] for x in runs if x.get(key) is not None]
+    return format(statistics.median(values), fmt) if values else "-"
 
 
 def _print_results(
@@ -150,7 +162,8 @@ def _print_results(
         best = max(statistics.median(x["decode_tok_s"] for x in by[c[0]]) for c in configs[:2])
         print(f"\nload mode {mode}:")
         print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
-              f"{'prompt tok/s':>13} {'load s':>7} {'tokens equal':>13}")  # fmt: skip
+              f"{'prompt tok/s':>13} {'load s':>7} {'tokens equal':>13} {'daemon GB':>10} "
+              f"{'CPU s/GB':>9}")  # fmt: skip
         for label, _, _ in configs:
             runs = by[label]
             d = [x["decode_tok_s"] for x in runs]
@@ -160,6 +173,7 @@ def _print_results(
                 f"{statistics.median(d) / best:>15.2f} "
                 f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
                 f"{statistics.median(x['load_s'] for x in runs):>7.2f} {'yes' if same else 'NO':>13}"
+                f" {_median(runs, 'daemon_gb', '.2f'):>10} {_median(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
             )
 
 
