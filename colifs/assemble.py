@@ -54,10 +54,7 @@ class Assembly:
     """A mount, built: what `serve` needs, and what tests look at."""
 
     mountpoint: str
-    options: list[str]
-    files: dict[int, ServedFile]
     stats: Stats
-    namespace: Namespace
     engine: Engine
     recorder: UsageRecorder
     tuning: Tuning
@@ -83,8 +80,8 @@ def assemble(
     tree = Tree(replicas[0].root, hidden(usage_path, replicas[0].root))
     files = build_files(tree, replicas)
     history, saving = load_history(usage_path)
-    routing = _routing(cfg, replicas, files, history)
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
+    routing = _routing(cfg, replicas, files, history)
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
     router = Router(routing.weights, cfg.routing == "stripe", health)
     info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
@@ -186,7 +183,7 @@ class _Parts:
         ops = ColiFS(ns, reader, workers[0].run)
         options = mount_options(cfg.allow_other, cfg.fuse_options)
         engine = Pyfuse3Engine(ops, reader, workers, self.mnt, options)
-        return Assembly(self.mnt, options, self.files, stats, ns, engine, recorder, tuning)
+        return Assembly(self.mnt, stats, engine, recorder, tuning)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
         from colifs.native import NativeCounters, NativeEngine, key_table
@@ -212,4 +209,4 @@ class _Parts:
             mirror_timeout=cfg.mirror_timeout,
             prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
         )
-        return Assembly(self.mnt, options, self.files, stats, ns, engine, recorder, tuning)
+        return Assembly(self.mnt, stats, engine, recorder, tuning)
