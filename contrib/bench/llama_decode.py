@@ -4,6 +4,7 @@ memory cgroup well below the model's size, as on a workstation whose RAM is smal
 
     contrib/bench/llama-decode.sh [--fast 150] [--slow 50] [--mem-mib 1200] [--tokens 24]
                                   [--repeats 3] [--modes mmap,none,direct] [--json FILE]
+                                  [--sequential]
 
 The model: colifs.synth.write_runnable_gguf (qwen3moe, 12 layers x 64 experts of 3 MiB, top 4,
 random F16 weights) with the tokenizer of llama.cpp's ggml-vocab-qwen2.gguf ($COLIFS_GGUF_VOCAB_DIR,
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -101,6 +103,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="mmap", help="llama.cpp load modes: mmap,none,direct (default mmap)")
     p.add_argument("--json", metavar="FILE")
+    p.add_argument(
+        "--sequential",
+        action="store_true",
+        help="also read the model file whole with O_DIRECT (dd, 64 MiB and 1 MiB blocks), directly and "
+        "through colifs: what a load could gain without the engine's own time between reads",
+    )
     return p.parse_args()
 
 
@@ -157,6 +165,34 @@ def _one_run(
 def _median(runs: list[dict], key: str, fmt: str) -> str:
     values = [x[key] for x in runs if x.get(key) is not None]
     return format(statistics.median(values), fmt) if values else "-"
+
+
+def sequential(rig: Rig, mnt: Path, args: argparse.Namespace) -> None:
+    """The model file read whole with O_DIRECT by dd, from the fast drive and through colifs (the
+    defaults), caches dropped: a load's upper bound on this rig."""
+    a, b = rig.dirs
+    model = a / "model.gguf"
+
+    def dd(path: Path, bs: str) -> float:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        t = time.monotonic()
+        subprocess.run(
+            ["dd", f"if={path}", "of=/dev/null", f"bs={bs}", "iflag=direct"], capture_output=True, check=True
+        )
+        return model.stat().st_size / (time.monotonic() - t) / 1e6
+
+    print(f"\nthe model read whole with dd iflag=direct, MB/s (drives {args.fast:g} + {args.slow:g} MB/s):")
+    for bs in ("64M", "1M"):
+        direct = dd(model, bs)
+        with colifs_mount([a, b], mnt, "--weights", f"{args.fast:g},{args.slow:g}") as st:
+            cpu0 = cpu_seconds(st["pid"])
+            through = dd(mnt / "model.gguf", bs)
+            after = json.loads((mnt / ".colifs" / "stats.json").read_text())
+            gb = sum(x["bytes_served"] for x in after["replicas"]) / 1e9
+            cpu = (cpu_seconds(st["pid"]) - cpu0) / gb
+        share = "/".join(f"{x['byte_share']:.2f}" for x in after["replicas"])
+        print(f"  bs={bs:<4} directly {direct:6.1f}  colifs {through:6.1f} ({through / direct:.2f}x; "
+              f"bytes {share}; {cpu:.2f} CPU s/GB)")  # fmt: skip
 
 
 def _print_results(
@@ -223,6 +259,8 @@ def main() -> int:
         cg = MemoryCgroup(args.mem_mib)
         mnt = work / "mnt"
         mnt.mkdir()
+        if args.sequential:
+            sequential(rig, mnt, args)
         configs = _configs(args)
         results: dict[str, dict[str, list[dict]]] = {}
         for rep in range(args.repeats):
