@@ -85,7 +85,6 @@ class Reader:
         # Per replica, for files the mirrors hold (a partial mirror gets more than its plain weight).
         self.weights = router.weights
         self.striping = router.striping
-        self.files = list(files)  # where the health checks of a down mirror read from
         self.health = health  # [0], the primary's, is never failed
         self._down: set[int] = set()
         self._went_down = trio.Event()
@@ -95,7 +94,7 @@ class Reader:
         self.stats = stats
         self._open: dict[str, OpenFile] = {}
         self._warn = WarnOnce()
-        self.mirrors = MirrorPolicy(replicas, health, files, self._set_up)
+        self.mirrors = MirrorPolicy(replicas, health, files, self._set_up)  # checks read `files`
 
     # -- descriptors -------------------------------------------------------------------------
 

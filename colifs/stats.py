@@ -91,9 +91,9 @@ class Stats:
         counters: DriveCounters,
         health: Sequence[Health],
         in_flight: Callable[[], list[int]],
-        usage: Callable[[], dict] = lambda: {"file": None},
-        kernel: Callable[[], dict] = dict,
-        warnings: Callable[[], list[str]] = list,
+        usage: Callable[[], dict],
+        kernel: Callable[[], dict],
+        warnings: Callable[[], list[str]],
     ) -> None:
         self.replicas = list(replicas)
         self.info = info
