@@ -1,7 +1,7 @@
 """The catalogue of served files, built once at mount: every regular file of the primary's tree,
 model files validated against each mirror (colifs.replicas), the copies a `colifs stage` receipt
-vouches for, each extent's routing position and stripe rotation; and the weights that make partial
-mirrors split the traffic as the weights say.
+vouches for, each extent's routing position and stripe rotation (one per file); and the weights
+that make partial mirrors split the traffic as the weights say.
 """
 
 from __future__ import annotations
@@ -35,17 +35,20 @@ def build_files(tree: Tree, replicas: Sequence[Replica]) -> dict[int, ServedFile
     where = positions(k for f in checked.values() if f.layout for k in f.layout.keys)
     key_bytes = key_sizes(f.layout for f in checked.values() if f.layout is not None)
     # Keys smaller than two chunks stay whole on one drive, in both routing modes.
-    rotation = {k: stripe_rotation(k) if n >= 2 * CHUNK else -1 for k, n in key_bytes.items()}
-    files = {}
-    for ino, f in checked.items():
-        keys = f.layout.keys if f.layout is not None else ()
-        files[ino] = dataclasses.replace(
-            f,
-            positions=tuple(where[k] for k in keys),
-            stripes=tuple(rotation[k] for k in keys),
-            vouched=vouched.get(ino, ()),
-        )
-    return files
+    striped = {k for k, n in key_bytes.items() if n >= 2 * CHUNK}
+    return {ino: _routed(f, where, striped, vouched.get(ino, ())) for ino, f in checked.items()}
+
+
+def _routed(f: ServedFile, where: Mapping, striped: set, vouched: tuple[int, ...]) -> ServedFile:
+    """`f` with its extents' routing positions, stripe rotations and receipt-vouched copies."""
+    keys = f.layout.keys if f.layout is not None else ()
+    rotation = stripe_rotation(f.relpath)
+    return dataclasses.replace(
+        f,
+        positions=tuple(where[k] for k in keys),
+        stripes=tuple(rotation if k in striped else -1 for k in keys),
+        vouched=vouched,
+    )
 
 
 def _vouched(files: Mapping[int, ServedFile], tree: Tree, replicas: Sequence[Replica]) -> dict[int, tuple]:

@@ -44,8 +44,8 @@ class ServedFile:
     """A regular file of the mount: its layout (None = plain bytes) and `copies`, the indices of the
     replicas whose copy may serve it (0, the primary, always).
 
-    `positions` holds the routing position u of each layout extent and `stripes` its key's stripe
-    rotation, or -1 where the key is too small to stripe (see routing.py).
+    `positions` holds the routing position u of each layout extent and `stripes` the file's stripe
+    rotation, or -1 where the extent's key is too small to stripe (see routing.py).
     """
 
     relpath: str

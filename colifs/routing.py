@@ -23,13 +23,15 @@ from collections.abc import Iterable, Mapping, Sequence
 from colifs.layout import ExpertKey, Key
 
 
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
 def digest(key: Key) -> int:
     """A stable 64-bit digest of a key."""
     if isinstance(key, ExpertKey):
-        text = f"expert\0{key.stack}\0{key.layer}\0{key.expert}"
-    else:
-        text = f"name\0{key}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+        return _digest(f"expert\0{key.stack}\0{key.layer}\0{key.expert}")
+    return _digest(f"name\0{key}")
 
 
 def positions(keys: Iterable[Key]) -> dict[Key, float]:
@@ -111,9 +113,12 @@ def stripe_sequence(weights: Sequence[float], slots: int = STRIPE_SLOTS) -> tupl
     return tuple(out)
 
 
-def stripe_rotation(key: Key, slots: int = STRIPE_SLOTS) -> int:
-    """Where in the sequence a key's chunks start: keys read at the same time start apart."""
-    return digest(key) % slots
+def stripe_rotation(relpath: str, slots: int = STRIPE_SLOTS) -> int:
+    """Where in the sequence a file's chunks start. One rotation for the whole file, so the striped
+    bytes of any stretch of it split in the weights' ratio to within a chunk (a fused tensor's
+    experts straddle chunks: a rotation per key made each straddling chunk a coin toss, and a
+    sweep's windows uneven). Per file, so shards laid out alike do not stripe alike."""
+    return _digest(f"file\0{relpath}") % slots
 
 
 # -- partial mirrors: keys they hold get more than the plain weights --------------------------------
