@@ -327,7 +327,10 @@ def write_runnable_gguf(
     def ones(name: str, n: int) -> None:
         w.add_tensor(name, np.ones(n, dtype=np.float32))
 
-    add("token_embd.weight", (n_vocab, hidden))
+    # Embeddings of unit scale: the token, not the context average the near-uniform attention adds,
+    # dominates the residual stream, so each token routes to other experts, as a trained router's
+    # load balancing does (at 0.02 a decode step re-used the last steps' experts: ~65% cache hits).
+    add("token_embd.weight", (n_vocab, hidden), 1.0)
     for L in range(layers):
         p = f"blk.{L}"
         ones(f"{p}.attn_norm.weight", hidden)

@@ -4,7 +4,7 @@ memory cgroup well below the model's size, as on a workstation whose RAM is smal
 
     contrib/bench/llama-decode.sh [--fast 150] [--slow 50] [--mem-mib 1200] [--tokens 24]
                                   [--repeats 3] [--modes mmap,none,direct] [--json FILE]
-                                  [--sequential]
+                                  [--sequential] [--configs direct128,defaults,...]
 
 The model: colifs.synth.write_runnable_gguf (qwen3moe, 12 layers x 64 experts of 3 MiB, top 4,
 random F16 weights) with the tokenizer of llama.cpp's ggml-vocab-qwen2.gguf ($COLIFS_GGUF_VOCAB_DIR,
@@ -104,6 +104,12 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--modes", default="mmap", help="llama.cpp load modes: mmap,none,direct (default mmap)")
     p.add_argument("--json", metavar="FILE")
     p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        type=_config_list,
+        help=f"the configurations to run, in order (default {','.join(CONFIGS)})",
+    )
+    p.add_argument(
         "--sequential",
         action="store_true",
         help="also read the model file whole with O_DIRECT (dd, 64 MiB and 1 MiB blocks), directly and "
@@ -112,18 +118,29 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+def _config_list(text: str) -> str:
+    unknown = set(text.split(",")) - set(CONFIGS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; known: {', '.join(CONFIGS)}")
+    if not {"direct128", "direct512"} & set(text.split(",")):
+        raise argparse.ArgumentTypeError("needs direct128 or direct512: the baseline")
+    return text
+
+
 Config = tuple[str, list[str] | None, int]  # label, colifs flags (None: the fast drive directly), readahead
+CONFIGS = ("direct128", "direct512", "defaults", "prefetch", "expert")
 
 
 def _configs(args: argparse.Namespace) -> list[Config]:
     w = f"{args.fast:g},{args.slow:g}"
-    return [
-        ("fast drive directly, readahead 128 KiB", None, 128),
-        ("fast drive directly, readahead 512 KiB", None, 512),
-        ("colifs, both drives (defaults)", ["--weights", w], 128),
-        ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
-        ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
-    ]
+    named = {
+        "direct128": ("fast drive directly, readahead 128 KiB", None, 128),
+        "direct512": ("fast drive directly, readahead 512 KiB", None, 512),
+        "defaults": ("colifs, both drives (defaults)", ["--weights", w], 128),
+        "prefetch": ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
+        "expert": ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
+    }
+    return [named[name] for name in args.configs.split(",")]
 
 
 def engine_memory(args: argparse.Namespace, mode: str, model: Path) -> int:
@@ -206,8 +223,9 @@ def _print_results(
     )
     for mode, by in results.items():
         ref_text = by[configs[0][0]][0]["text"]
-        best = max(statistics.median(x["decode_tok_s"] for x in by[c[0]]) for c in configs[:2])
-        fastest_load = min(statistics.median(x["load_s"] for x in by[c[0]]) for c in configs[:2])
+        directs = [c[0] for c in configs if c[1] is None]
+        best = max(statistics.median(x["decode_tok_s"] for x in by[c]) for c in directs)
+        fastest_load = min(statistics.median(x["load_s"] for x in by[c]) for c in directs)
         print(f"\nload mode {mode}:")
         print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
               f"{'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} {'tokens equal':>13} "
