@@ -10,6 +10,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 ENGINES_VENV := .venv-engines
 XLLAMACPP := 2026.10.11549
+# transformers' loader for contrib/bench/hf-load.sh; torch's CPU build (PyPI's pulls in CUDA).
+TORCH := 2.13.0+cpu
+TRANSFORMERS := 4.57.6
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: demo test lint sysdeps clean bench-engines
 
@@ -29,7 +33,9 @@ lint: $(STAMP)
 bench-engines: $(STAMP) $(VOCAB)/.done
 	[ -x $(ENGINES_VENV)/bin/python ] || python3 -m venv $(ENGINES_VENV)
 	$(ENGINES_VENV)/bin/pip install -q xllamacpp==$(XLLAMACPP)
-	@echo "ready: sudo COLIFS_GGUF_VOCAB_DIR=$(VOCAB) contrib/bench/llama-decode.sh"
+	$(ENGINES_VENV)/bin/pip install -q $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) \
+		torch==$(TORCH) transformers==$(TRANSFORMERS) safetensors
+	@echo "ready: sudo COLIFS_GGUF_VOCAB_DIR=$(VOCAB) contrib/bench/llama-decode.sh; sudo contrib/bench/hf-load.sh"
 
 PY_HEADERS := python3 -c "import os, sysconfig; raise SystemExit(not os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))"
 

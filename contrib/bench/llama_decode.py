@@ -19,20 +19,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
-
-MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
-DAEMON_BUFFERS_MIB = 64
+from dual_drive import Rig, colifs_mount, cpu_seconds
+from engines import (
+    CONFIGS,
+    MEMORY_ROOT,
+    Config,
+    MemoryCgroup,
+    interleaved,
+    median_of,
+    one_run,
+    rig_arguments,
+    run_in_cgroup,
+)
 
 # Runs in the engine's interpreter: load, decode, print one JSON line.
 ENGINE = """
@@ -61,54 +66,15 @@ print(json.dumps({"load_s": load, "decode_tok_s": t["predicted_per_second"],
 """
 
 
-class MemoryCgroup:
-    def __init__(self, limit_mib: int) -> None:
-        self.path = MEMORY_ROOT / f"colifs-llama-{os.getpid()}"
-        self.path.mkdir()
-        self.set_limit(limit_mib)
-
-    def set_limit(self, mib: int) -> None:
-        (self.path / "memory.limit_in_bytes").write_text(f"{mib << 20}\n")
-
-    def add(self, pid: int) -> None:
-        (self.path / "cgroup.procs").write_text(f"{pid}\n")
-
-    def close(self) -> None:
-        for pid in (self.path / "cgroup.procs").read_text().split():
-            (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
-        self.path.rmdir()
-
-
-def rss_mib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
-
-
 def run_engine(py: str, model: Path, args: argparse.Namespace, mode: str, cg: MemoryCgroup) -> dict:
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    # The engine joins the memory cgroup before it loads anything (the blkio one is inherited).
-    cmd = ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh", py, "-c", ENGINE]
-    out = subprocess.run([*cmd, str(model), str(args.tokens), mode], capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(out.stderr[-2000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return run_in_cgroup(py, ENGINE, [str(model), str(args.tokens), mode], cg)
 
 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--fast", type=float, default=150)
-    p.add_argument("--slow", type=float, default=50)
-    p.add_argument("--mem-mib", type=int, default=1200, help="the engine's memory cgroup (default 1200)")
+    rig_arguments(p, ",".join(CONFIGS))
     p.add_argument("--tokens", type=int, default=24)
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--modes", default="mmap", help="llama.cpp load modes: mmap,none,direct (default mmap)")
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument(
-        "--configs",
-        default=",".join(CONFIGS),
-        type=_config_list,
-        help=f"the configurations to run, in order (default {','.join(CONFIGS)})",
-    )
     p.add_argument(
         "--sequential",
         action="store_true",
@@ -116,31 +82,6 @@ def _parse() -> argparse.Namespace:
         "through colifs: what a load could gain without the engine's own time between reads",
     )
     return p.parse_args()
-
-
-def _config_list(text: str) -> str:
-    unknown = set(text.split(",")) - set(CONFIGS)
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; known: {', '.join(CONFIGS)}")
-    if not {"direct128", "direct512"} & set(text.split(",")):
-        raise argparse.ArgumentTypeError("needs direct128 or direct512: the baseline")
-    return text
-
-
-Config = tuple[str, list[str] | None, int]  # label, colifs flags (None: the fast drive directly), readahead
-CONFIGS = ("direct128", "direct512", "defaults", "prefetch", "expert")
-
-
-def _configs(args: argparse.Namespace) -> list[Config]:
-    w = f"{args.fast:g},{args.slow:g}"
-    named = {
-        "direct128": ("fast drive directly, readahead 128 KiB", None, 128),
-        "direct512": ("fast drive directly, readahead 512 KiB", None, 512),
-        "defaults": ("colifs, both drives (defaults)", ["--weights", w], 128),
-        "prefetch": ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
-        "expert": ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
-    }
-    return [named[name] for name in args.configs.split(",")]
 
 
 def engine_memory(args: argparse.Namespace, mode: str, model: Path) -> int:
@@ -155,33 +96,12 @@ def engine_memory(args: argparse.Namespace, mode: str, model: Path) -> int:
 def _one_run(
     py: str, rig: Rig, cg: MemoryCgroup, mnt: Path, args: argparse.Namespace, mode: str, config: Config
 ) -> dict:
-    """One engine run of one configuration, caches dropped; the daemon (if any) in the engine's
-    memory cgroup, whose limit grows by the daemon's RSS and buffers."""
-    _, flags, kb = config
-    a, b = rig.dirs
-    limit = engine_memory(args, mode, a / "model.gguf")
-    Path(f"/sys/block/{rig.devnames()[0]}/queue/read_ahead_kb").write_text(f"{kb}\n")
-    if flags is None:
-        cg.set_limit(limit)
-        return run_engine(py, a / "model.gguf", args, mode, cg)
-    with colifs_mount([a, b], mnt, *flags) as st:
-        pid = st["pid"]
-        cg.add(pid)
-        cg.set_limit(limit + rss_mib(pid) + DAEMON_BUFFERS_MIB)
-        cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
-        r = run_engine(py, mnt / "model.gguf", args, mode, cg)
-        after = json.loads((mnt / ".colifs" / "stats.json").read_text())
-        gb = (sum(x["bytes_served"] for x in after["replicas"]) - served0) / 1e9
-        r["daemon_gb"] = gb
-        r["daemon_cpu_s_per_gb"] = (cpu_seconds(pid) - cpu0) / gb if gb else None
-        r["byte_share"] = [x["byte_share"] for x in after["replicas"]]
-        (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
-    return r
-
-
-def _median(runs: list[dict], key: str, fmt: str) -> str:
-    values = [x[key] for x in runs if x.get(key) is not None]
-    return format(statistics.median(values), fmt) if values else "-"
+    """One engine run of one configuration, caches dropped, the drive's readahead set."""
+    Path(f"/sys/block/{rig.devnames()[0]}/queue/read_ahead_kb").write_text(f"{config[2]}\n")
+    limit = engine_memory(args, mode, rig.dirs[0] / "model.gguf")
+    return one_run(
+        rig.dirs, mnt, config, cg, limit, lambda root: run_engine(py, root / "model.gguf", args, mode, cg)
+    )
 
 
 def sequential(rig: Rig, mnt: Path, args: argparse.Namespace) -> None:
@@ -240,7 +160,8 @@ def _print_results(
                 f"{statistics.median(d) / best:>15.2f} "
                 f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
                 f"{load:>7.2f} {fastest_load / load:>14.2f} {'yes' if same else 'NO':>13}"
-                f" {_median(runs, 'daemon_gb', '.2f'):>10} {_median(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
+                f" {median_of(runs, 'daemon_gb', '.2f'):>10}"
+                f" {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
             )
 
 
@@ -256,50 +177,19 @@ def main() -> int:
         print(f"llama-decode: needs {vocab} (make test) and {py} (make bench-engines)", file=sys.stderr)
         return 2
 
-    def interrupted(sig: int, _: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(sig).name)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
-    work = Path(tempfile.mkdtemp(prefix="colifs-llama-"))
-    rig = cg = None
-    try:
-        rig = Rig(work, image_gb=3.6)
+    def write(a: Path) -> None:
         from colifs.synth import write_runnable_gguf
 
         print("writing the model (2.9 GB) to both drives ...", file=sys.stderr)
-        a, b = rig.dirs
-        a.mkdir()
         write_runnable_gguf(str(a / "model.gguf"), str(vocab))
-        shutil.copytree(a, b, dirs_exist_ok=True)
-        settle()
-        rig.throttle(args.fast, args.slow)
-        cg = MemoryCgroup(args.mem_mib)
-        mnt = work / "mnt"
-        mnt.mkdir()
-        if args.sequential:
-            sequential(rig, mnt, args)
-        configs = _configs(args)
-        results: dict[str, dict[str, list[dict]]] = {}
-        for rep in range(args.repeats):
-            for mode in args.modes.split(","):
-                for config in configs:
-                    print(f"run {rep + 1}/{args.repeats}: {mode}: {config[0]} ...", file=sys.stderr)
-                    r = _one_run(py, rig, cg, mnt, args, mode, config)
-                    results.setdefault(mode, {}).setdefault(config[0], []).append(r)
-                    if args.json:  # after every run: a failure later loses nothing measured
-                        Path(args.json).write_text(
-                            json.dumps({"args": vars(args), "results": results}, indent=1)
-                        )
-        _print_results(args, configs, results)
-        return 0
-    finally:
-        subprocess.run([*COLIFS, "umount", "--lazy", str(work / "mnt")], capture_output=True)
-        if cg is not None:
-            cg.close()
-        if rig is not None:
-            rig.close()
-        shutil.rmtree(work, ignore_errors=True)
+
+    def run(rig: Rig, cg: MemoryCgroup, mnt: Path, mode: str, config: Config) -> dict:
+        return _one_run(py, rig, cg, mnt, args, mode, config)
+
+    before = (lambda rig, mnt: sequential(rig, mnt, args)) if args.sequential else None
+    chosen, results = interleaved(args, "llama", write, args.modes.split(","), run, before)
+    _print_results(args, chosen, results)
+    return 0
 
 
 if __name__ == "__main__":

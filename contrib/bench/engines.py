@@ -1,0 +1,188 @@
+"""What the real-engine benchmarks (llama_decode.py, hf_load.py) share: the configurations they
+compare, the memory cgroup the engine runs in (the colifs daemon joins it: the pages it puts in the
+page cache count against the same RAM), one engine run there with cold caches, and one through a
+colifs mount with the bytes the daemon served and its CPU per GB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
+
+MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
+DAEMON_BUFFERS_MIB = 64
+
+Config = tuple[str, list[str] | None, int]  # label, colifs flags (None: the fast drive directly), readahead
+CONFIGS = ("direct128", "direct512", "defaults", "prefetch", "expert")
+
+
+def config_list(text: str) -> str:
+    """An argparse type: configuration names, the baseline among them."""
+    unknown = set(text.split(",")) - set(CONFIGS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; known: {', '.join(CONFIGS)}")
+    if not {"direct128", "direct512"} & set(text.split(",")):
+        raise argparse.ArgumentTypeError("needs direct128 or direct512: the baseline")
+    return text
+
+
+def rig_arguments(p: argparse.ArgumentParser, default_configs: str) -> None:
+    """The options every engine benchmark has: drive speeds, memory, repeats, configurations, JSON."""
+    p.add_argument("--fast", type=float, default=150, help="the fast drive's MB/s (default 150)")
+    p.add_argument("--slow", type=float, default=50, help="the slow drive's MB/s (default 50)")
+    p.add_argument("--mem-mib", type=int, default=1200, help="the engine's memory cgroup (default 1200)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument(
+        "--configs",
+        default=default_configs,
+        type=config_list,
+        help=f"the configurations to run, in order (known: {','.join(CONFIGS)}; default {default_configs})",
+    )
+    p.add_argument("--json", metavar="FILE", help="the results, saved after every run")
+
+
+def configs(fast: float, slow: float, names: str) -> list[Config]:
+    w = f"{fast:g},{slow:g}"
+    named = {
+        "direct128": ("fast drive directly, readahead 128 KiB", None, 128),
+        "direct512": ("fast drive directly, readahead 512 KiB", None, 512),
+        "defaults": ("colifs, both drives (defaults)", ["--weights", w], 128),
+        "prefetch": ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
+        "expert": ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
+    }
+    return [named[name] for name in names.split(",")]
+
+
+class MemoryCgroup:
+    def __init__(self, limit_mib: int) -> None:
+        self.path = MEMORY_ROOT / f"colifs-engine-{os.getpid()}"
+        self.path.mkdir()
+        self.set_limit(limit_mib)
+
+    def set_limit(self, mib: int) -> None:
+        (self.path / "memory.limit_in_bytes").write_text(f"{mib << 20}\n")
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(f"{pid}\n")
+
+    def close(self) -> None:
+        for pid in (self.path / "cgroup.procs").read_text().split():
+            (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
+        self.path.rmdir()
+
+
+def rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+
+
+def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> dict:
+    """Caches dropped, `script` run by `py` inside the cgroup from its first instruction (the blkio
+    cgroup is inherited); its last output line is a JSON object."""
+    Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    cmd = ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh", py, "-c", script]
+    out = subprocess.run([*cmd, *argv], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_run(
+    dirs: list[Path], mnt: Path, config: Config, cg: MemoryCgroup, limit_mib: int, run: Callable[[Path], dict]
+) -> dict:
+    """`run(root)` on the fast drive (dirs[0]) or through colifs over `dirs`; for colifs the daemon
+    joins the cgroup, whose limit grows by its RSS and buffers, and the result gets the bytes it
+    served, its CPU per GB and the drives' byte shares."""
+    _, flags, _ = config
+    if flags is None:
+        cg.set_limit(limit_mib)
+        return run(dirs[0])
+    with colifs_mount(dirs, mnt, *flags) as st:
+        pid = st["pid"]
+        cg.add(pid)
+        cg.set_limit(limit_mib + rss_mib(pid) + DAEMON_BUFFERS_MIB)
+        cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
+        r = run(mnt)
+        after = json.loads((mnt / ".colifs" / "stats.json").read_text())
+        gb = (sum(x["bytes_served"] for x in after["replicas"]) - served0) / 1e9
+        r["daemon_gb"] = gb
+        r["daemon_cpu_s_per_gb"] = (cpu_seconds(pid) - cpu0) / gb if gb else None
+        r["byte_share"] = [x["byte_share"] for x in after["replicas"]]
+        (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
+    return r
+
+
+Results = dict[str, dict[str, list[dict]]]  # variant (load mode, loader) -> configuration label -> runs
+OneRun = Callable[[Rig, MemoryCgroup, Path, str, Config], dict]  # rig, cgroup, mount point, variant, config
+
+
+def interleaved(
+    args: argparse.Namespace,
+    prefix: str,
+    write: Callable[[Path], None],
+    variants: list[str],
+    run: OneRun,
+    before: Callable[[Rig, Path], None] | None = None,
+) -> tuple[list[Config], Results]:
+    """The rig (two throttled drives, `write` filling the first, copied to the second), the memory
+    cgroup, then `args.repeats` rounds of every variant x configuration, results saved to
+    `args.json` after every run (a failure later loses nothing measured). Cleans up on any exit,
+    SIGTERM and SIGHUP included."""
+
+    def interrupted(sig: int, _: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
+    work = Path(tempfile.mkdtemp(prefix=f"colifs-{prefix}-"))
+    rig = cg = None
+    try:
+        rig = Rig(work, image_gb=3.6)
+        a, b = rig.dirs
+        a.mkdir()
+        write(a)
+        shutil.copytree(a, b, dirs_exist_ok=True)
+        settle()
+        rig.throttle(args.fast, args.slow)
+        cg = MemoryCgroup(args.mem_mib)
+        mnt = work / "mnt"
+        mnt.mkdir()
+        if before is not None:
+            before(rig, mnt)
+        chosen = configs(args.fast, args.slow, args.configs)
+        results: Results = {}
+        for rep in range(args.repeats):
+            for variant in variants:
+                for config in chosen:
+                    print(f"run {rep + 1}/{args.repeats}: {variant}: {config[0]} ...", file=sys.stderr)
+                    r = run(rig, cg, mnt, variant, config)
+                    results.setdefault(variant, {}).setdefault(config[0], []).append(r)
+                    if args.json:
+                        Path(args.json).write_text(
+                            json.dumps({"args": vars(args), "results": results}, indent=1)
+                        )
+        return chosen, results
+    finally:
+        subprocess.run([*COLIFS, "umount", "--lazy", str(work / "mnt")], capture_output=True)
+        if cg is not None:
+            cg.close()
+        if rig is not None:
+            rig.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def median_of(runs: list[dict], key: str, fmt: str) -> str:
+    """The median of a field over the runs that have it, formatted; "-" if none has it."""
+    values = [x[key] for x in runs if x.get(key) is not None]
+    return format(statistics.median(values), fmt) if values else "-"
