@@ -73,6 +73,8 @@ typedef struct {
     uint32_t nseg;
     uint64_t *seg_start;
     int32_t *seg_key;
+    _Atomic uint64_t *seg_prefetched; /* nseg, with prefetch on: monotonic ns of the last prefetch of
+                                       * the extent that begins at the segment */
     uint8_t *seg_drive;
     /* Descriptors, shared by all opens of the file. */
     pthread_mutex_t lock;
@@ -120,7 +122,6 @@ typedef struct engine {
     uint64_t prefetch_max;     /* bytes an expert's first page-cache read may read ahead; 0: off */
     _Atomic int prefetch_paused; /* by Python, while memory is short */
     uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys prefetch works on) */
-    _Atomic uint64_t *key_prefetched; /* nkeys: monotonic ns of the key's last prefetch */
 
     node_t *nodes;             /* sorted by ino */
     size_t nnodes;

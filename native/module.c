@@ -238,7 +238,8 @@ static int load_file(engine_t *e, file_t *f, PyObject *t) {
     f->seg_start = malloc((size_t)ns + 8);
     f->seg_key = malloc((size_t)nk + 4);
     f->seg_drive = malloc((size_t)nd + 1);
-    if (!f->seg_start || !f->seg_key || !f->seg_drive) {
+    f->seg_prefetched = e->prefetch_max && nseg ? calloc(nseg, sizeof *f->seg_prefetched) : NULL;
+    if (!f->seg_start || !f->seg_key || !f->seg_drive || (e->prefetch_max && nseg && !f->seg_prefetched)) {
         PyErr_NoMemory();
         return -1;
     }
@@ -332,7 +333,6 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     engine_t *pe = &self->e;
     if (!bad_experts && nkeys > 0) {
         pe->key_expert = calloc((size_t)nkeys, 1);
-        pe->key_prefetched = calloc((size_t)nkeys, sizeof *pe->key_prefetched);
         if (pe->key_expert && experts.buf)
             memcpy(pe->key_expert, experts.buf, (size_t)nkeys);
     }
@@ -342,7 +342,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "expert_keys: one byte per key expected");
         return -1;
     }
-    if (nkeys > 0 && (!pe->key_expert || !pe->key_prefetched)) {
+    if (nkeys > 0 && !pe->key_expert) {
         PyErr_NoMemory();
         return -1;
     }
@@ -530,6 +530,7 @@ static void Engine_dealloc(EngineObject *self) {
             free(e->files[i].relpath);
             free(e->files[i].seg_start);
             free(e->files[i].seg_key);
+            free(e->files[i].seg_prefetched);
             free(e->files[i].seg_drive);
         }
         for (size_t i = 0; i < e->nnodes; i++)
@@ -540,7 +541,6 @@ static void Engine_dealloc(EngineObject *self) {
         free(e->nodes);
         free(e->children);
         free(e->key_expert);
-        free(e->key_prefetched);
         if (self->have_counters)
             PyBuffer_Release(&self->counters);
         for (int d = 0; d < e->nrep; d++)

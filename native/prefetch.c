@@ -36,22 +36,25 @@ static uint64_t now_ns(void) {
 }
 
 int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_t *from, uint64_t *to) {
-    if (!e->prefetch_max || !f->nseg || atomic_load(&e->prefetch_paused))
+    if (!e->prefetch_max || !f->seg_prefetched || atomic_load(&e->prefetch_paused))
         return 0;
-    uint32_t i = segment_at(f, off);
+    /* The request's middle: a fault's read-around starts half a window before the faulting page,
+     * often in the extent before (prefetching that one read experts nobody asked for). */
+    uint32_t i = segment_at(f, off + (asked - off) / 2);
     int32_t k = f->seg_key[i];
     if (k < 0 || !e->key_expert[k])
         return 0;
-    uint64_t t = now_ns(), last = atomic_load(&e->key_prefetched[k]);
-    if (last && t - last < RECENT_NS) { /* asked again soon after a prefetch: it was not enough */
-        atomic_fetch_add(&e->ctr.prefetch[2], asked - off);
-        return 0;
-    }
     uint32_t lo = i, hi = i + 1; /* the key's extent around the request (faults come in any order) */
     while (lo > 0 && f->seg_key[lo - 1] == k)
         lo--;
     while (hi < f->nseg && f->seg_key[hi] == k)
         hi++;
+    /* Per extent, not per key: a fused tensor holds one extent of the key, the next tensor another. */
+    uint64_t t = now_ns(), last = atomic_load(&f->seg_prefetched[lo]);
+    if (last && t - last < RECENT_NS) { /* asked again soon after a prefetch: it was not enough */
+        atomic_fetch_add(&e->ctr.prefetch[2], asked - off);
+        return 0;
+    }
     uint64_t a = f->seg_start[lo], b = hi < f->nseg ? f->seg_start[hi] : f->size;
     if (b > off + e->prefetch_max)
         b = off + e->prefetch_max;
@@ -71,7 +74,7 @@ int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_
         atomic_fetch_sub(&e->store_inflight, extra);
         return 0;
     }
-    if (!atomic_compare_exchange_strong(&e->key_prefetched[k], &last, t)) { /* another thread's */
+    if (!atomic_compare_exchange_strong(&f->seg_prefetched[lo], &last, t)) { /* another thread's */
         atomic_fetch_sub(&e->store_inflight, extra);
         return 0;
     }

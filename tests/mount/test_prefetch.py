@@ -13,7 +13,7 @@ import pytest
 
 from colifs.formats import format_of
 from colifs.layout import ExpertKey
-from colifs.synth import write_checkpoint
+from colifs.synth import write_checkpoint, write_gguf
 from tests.helpers import drop_file_cache, mounted
 
 pytestmark = pytest.mark.mounts
@@ -98,3 +98,55 @@ def test_prefetch_is_off_by_default(checkpoint, tmp_path: Path, engine: str) -> 
         drop_file_cache(m.path / shard.name)
         assert (m.path / shard.name).read_bytes() == shard.read_bytes()
         assert m.stats()["prefetch"].get("prefetches", 0) == 0
+
+
+@pytest.fixture
+def fused(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A GGUF of fused experts: each expert is three 1 MiB extents, one in each of three tensors."""
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    primary.mkdir()
+    write_gguf(str(primary / "m.gguf"), "qwen3moe", layers=1, experts=4, hidden=1024, inter=512, qtype="F16")
+    shutil.copytree(primary, mirror)
+    return primary, mirror, primary / "m.gguf"
+
+
+def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:
+    fmt = format_of(path.name)
+    assert fmt is not None
+    return [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
+
+
+def wait_stored(m, at_least: int) -> dict:
+    deadline = time.monotonic() + 10  # the stores run after the reply, on their own thread
+    while (st := m.stats())["prefetch"]["bytes_stored_ahead"] < at_least:
+        assert time.monotonic() < deadline, st["prefetch"]
+        time.sleep(0.01)
+    return st
+
+
+@pytest.mark.daemon_warns("needs the native engine")
+def test_each_extent_of_a_fused_expert_is_prefetched_and_a_fault_prefetches_its_own(
+    fused, tmp_path: Path, engine: str
+) -> None:
+    """The extent prefetched is the faulting page's, not the one the read-around window starts in;
+    and every extent of an expert is prefetched at its first touch (not only the first extent)."""
+    if engine == "pyfuse3":
+        pytest.skip("prefetch is the native engine's")
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    gate, up, down = extents_of(model, ExpertKey("blk", 0, 2))
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--prefetch", "expert") as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+            stored = 0
+            for n, (a, b) in enumerate((gate, up, down), 1):
+                first = -(-a // PAGE) * PAGE  # the extent's first whole page: the window starts before it
+                assert mm[first : first + 1] == want[first : first + 1]
+                assert m.stats()["prefetch"]["prefetches"] == n
+                st = wait_stored(m, stored + (b - a) - 2 * PAGE - (128 << 10))
+                stored = st["prefetch"]["bytes_stored_ahead"]
+                reads = drive_reads(m)[0]
+                assert mm[first : b // PAGE * PAGE] == want[first : b // PAGE * PAGE]
+                assert drive_reads(m)[0] == reads  # the whole extent came with the first fault
+            assert mm[:] == want
