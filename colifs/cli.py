@@ -81,9 +81,10 @@ def parser() -> argparse.ArgumentParser:
         "--prefetch",
         choices=["expert", "off"],
         default="off",
-        help="expert: a page-cache reader's (mmap, buffered) first touch of a routed expert reads the "
-        "rest of it too, from all drives at once, into the page cache (native engine; at most "
-        "64 MiB per expert, never past its end); off (default): the kernel's readahead only",
+        help="expert: a page-cache reader's (mmap, buffered) first touch of a routed expert's extent "
+        "reads the rest of it too, from all drives at once, into the page cache (native engine; at "
+        "most 64 MiB, never past the extent's ends; measured slower than off with llama.cpp); "
+        "off (default): the kernel's readahead only",
     )
     m.add_argument(
         "--engine",

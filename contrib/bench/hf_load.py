@@ -6,9 +6,9 @@ colifs, the loader in a memory cgroup (the colifs daemon joins it).
                              [--loaders safe_open,from_pretrained] [--configs direct128,defaults,...]
                              [--json FILE]
 
-The checkpoint: a Qwen3-MoE made by transformers itself (12 layers x 64 experts of 3 MiB, bf16,
-random weights, 2.6 GB in shards of 400 MB; the experts are one tensor per projection, as
-transformers 4.x saves them). `safe_open` reads every tensor once into numpy and drops it: it
+The checkpoint: a Qwen3-MoE made by transformers itself (12 layers x 64 experts of 3 MiB, F16:
+numpy has no bf16; random weights, 2.6 GB in shards of 400 MB; the experts are one tensor per
+projection, as transformers 4.x saves them). `safe_open` reads every tensor once into numpy and drops it: it
 streams, in a cgroup of --mem-mib (smaller than the checkpoint). `from_pretrained` keeps the model,
 so its cgroup is the checkpoint + --mem-mib; its time is the call plus one pass over every weight
 (whatever the call left unread in the page cache is read then). A CRC of every tensor's bytes
@@ -46,9 +46,9 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
                      num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=4, head_dim=128,
                      num_experts=64, num_experts_per_tok=4, max_position_embeddings=4096,
-                     tie_word_embeddings=False, torch_dtype="bfloat16")
+                     tie_word_embeddings=False, torch_dtype="float16")
 torch.manual_seed(0)
-torch.set_default_dtype(torch.bfloat16)
+torch.set_default_dtype(torch.float16)
 Qwen3MoeForCausalLM(cfg).save_pretrained(sys.argv[1], max_shard_size="400MB")
 """
 
@@ -72,7 +72,7 @@ if loader == "safe_open":
 else:
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(root, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(root, torch_dtype=torch.float16)
     call = time.time() - t0
     def check():
         out = 0
