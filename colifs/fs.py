@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import pyfuse3
 
 from colifs.boundary import request_errno
+from colifs.buffers import BLOCK
 from colifs.namespace import CONTROL_DIR, STATS_INO, STATS_JSON_INO, Attr, Namespace
 from colifs.reader import OpenFile, Reader
 
@@ -48,7 +49,9 @@ def _entry(a: Attr) -> pyfuse3.EntryAttributes:
     e.st_ino = a.ino
     e.st_mode, e.st_nlink, e.st_uid, e.st_gid = a.mode, a.nlink, a.uid, a.gid
     e.st_size, e.st_blocks = a.size, a.blocks
-    e.st_blksize = 1 << 20  # FUSE's largest request: tools size their reads after this
+    # The page size, as ext4 reports it: O_DIRECT readers align their reads to st_blksize (llama.cpp
+    # rounds every tensor out to it), so 1 MiB made them read 5% more and each small tensor as 1 MiB.
+    e.st_blksize = BLOCK
     e.st_atime_ns, e.st_mtime_ns, e.st_ctime_ns = a.atime_ns, a.mtime_ns, a.ctime_ns
     e.entry_timeout = e.attr_timeout = a.timeout
     return e

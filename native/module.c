@@ -141,7 +141,7 @@ static int load_nodes(engine_t *e, PyObject *nodes, size_t nchildren) {
             nd->st.st_uid = uid;
             nd->st.st_gid = gid;
             nd->st.st_size = (off_t)size;
-            nd->st.st_blksize = REQUEST;
+            nd->st.st_blksize = BLOCK; /* what O_DIRECT readers align to (llama.cpp): see fs.py */
             nd->st.st_blocks = (blkcnt_t)blocks;
             set_time(&nd->st.st_atim, at);
             set_time(&nd->st.st_mtim, mt);
