@@ -7,6 +7,7 @@ colifs mount with the bytes the daemon served and its CPU per GB.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -15,7 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
@@ -98,6 +99,21 @@ def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> di
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@contextlib.contextmanager
+def measured_mount(dirs: list[Path], mnt: Path, flags: list[str]) -> Iterator[tuple[int, dict]]:
+    """A colifs mount over `dirs`, yielding the daemon's pid and a dict that, once the block is
+    left, holds what the daemon served in it (GB), its CPU per GB and the drives' byte shares."""
+    with colifs_mount(dirs, mnt, *flags) as st:
+        pid, figures = st["pid"], {}
+        cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
+        yield pid, figures
+        after = json.loads((mnt / ".colifs" / "stats.json").read_text())
+        gb = (sum(x["bytes_served"] for x in after["replicas"]) - served0) / 1e9
+        figures["daemon_gb"] = gb
+        figures["daemon_cpu_s_per_gb"] = (cpu_seconds(pid) - cpu0) / gb if gb else None
+        figures["byte_share"] = [x["byte_share"] for x in after["replicas"]]
+
+
 def one_run(
     dirs: list[Path], mnt: Path, config: Config, cg: MemoryCgroup, limit_mib: int, run: Callable[[Path], dict]
 ) -> dict:
@@ -108,19 +124,12 @@ def one_run(
     if flags is None:
         cg.set_limit(limit_mib)
         return run(dirs[0])
-    with colifs_mount(dirs, mnt, *flags) as st:
-        pid = st["pid"]
+    with measured_mount(dirs, mnt, flags) as (pid, figures):
         cg.add(pid)
         cg.set_limit(limit_mib + rss_mib(pid) + DAEMON_BUFFERS_MIB)
-        cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
         r = run(mnt)
-        after = json.loads((mnt / ".colifs" / "stats.json").read_text())
-        gb = (sum(x["bytes_served"] for x in after["replicas"]) - served0) / 1e9
-        r["daemon_gb"] = gb
-        r["daemon_cpu_s_per_gb"] = (cpu_seconds(pid) - cpu0) / gb if gb else None
-        r["byte_share"] = [x["byte_share"] for x in after["replicas"]]
         (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
-    return r
+    return {**r, **figures}
 
 
 Results = dict[str, dict[str, list[dict]]]  # variant (load mode, loader) -> configuration label -> runs

@@ -17,7 +17,6 @@ whose limit grows by the daemon's own RSS plus 64 MiB of read buffers. Root only
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -26,13 +25,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dual_drive import Rig, colifs_mount, cpu_seconds
+from dual_drive import Rig
 from engines import (
     CONFIGS,
     MEMORY_ROOT,
     Config,
     MemoryCgroup,
     interleaved,
+    measured_mount,
     median_of,
     one_run,
     rig_arguments,
@@ -121,15 +121,11 @@ def sequential(rig: Rig, mnt: Path, args: argparse.Namespace) -> None:
     print(f"\nthe model read whole with dd iflag=direct, MB/s (drives {args.fast:g} + {args.slow:g} MB/s):")
     for bs in ("64M", "1M"):
         direct = dd(model, bs)
-        with colifs_mount([a, b], mnt, "--weights", f"{args.fast:g},{args.slow:g}") as st:
-            cpu0 = cpu_seconds(st["pid"])
+        with measured_mount([a, b], mnt, ["--weights", f"{args.fast:g},{args.slow:g}"]) as (_, figures):
             through = dd(mnt / "model.gguf", bs)
-            after = json.loads((mnt / ".colifs" / "stats.json").read_text())
-            gb = sum(x["bytes_served"] for x in after["replicas"]) / 1e9
-            cpu = (cpu_seconds(st["pid"]) - cpu0) / gb
-        share = "/".join(f"{x['byte_share']:.2f}" for x in after["replicas"])
+        share = "/".join(f"{x:.2f}" for x in figures["byte_share"])
         print(f"  bs={bs:<4} directly {direct:6.1f}  colifs {through:6.1f} ({through / direct:.2f}x; "
-              f"bytes {share}; {cpu:.2f} CPU s/GB)")  # fmt: skip
+              f"bytes {share}; {figures['daemon_cpu_s_per_gb']:.2f} CPU s/GB)")  # fmt: skip
 
 
 def _print_results(

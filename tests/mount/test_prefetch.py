@@ -21,11 +21,23 @@ pytestmark = pytest.mark.mounts
 PAGE = mmap.PAGESIZE
 
 
-def expert_span(path: Path, key: ExpertKey) -> tuple[int, int]:
+def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:
     fmt = format_of(path.name)
     assert fmt is not None
-    spans = [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
+    return [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
+
+
+def expert_span(path: Path, key: ExpertKey) -> tuple[int, int]:
+    spans = extents_of(path, key)
     return spans[0][0], spans[-1][1]
+
+
+def wait_stored(m, at_least: int) -> dict:
+    deadline = time.monotonic() + 10  # the stores run after the reply, on their own thread
+    while (st := m.stats())["prefetch"]["bytes_stored_ahead"] < at_least:
+        assert time.monotonic() < deadline, st["prefetch"]
+        time.sleep(0.01)
+    return st
 
 
 def drive_reads(m) -> tuple[int, int]:
@@ -58,11 +70,7 @@ def test_a_fault_inside_an_expert_brings_in_the_whole_expert(checkpoint, tmp_pat
             middle = (a + b) // 2 // PAGE * PAGE
             assert mm[middle : middle + 1] == want[middle : middle + 1]  # one fault, mid-expert
             assert m.stats()["prefetch"]["prefetches"] == 1  # counted before the fault returns
-            low = b - a - 2 * PAGE - (128 << 10)
-            deadline = time.monotonic() + 10  # the stores run after the reply, on their own thread
-            while (st := m.stats())["prefetch"]["bytes_stored_ahead"] < low:
-                assert time.monotonic() < deadline, st["prefetch"]
-                time.sleep(0.01)
+            st = wait_stored(m, b - a - 2 * PAGE - (128 << 10))
             reads1, bytes1 = drive_reads(m)
             # The rest of the expert came with it: touching every page of it reaches no drive (the
             # pages it shares with its neighbours at its two ends are theirs as much as its own).
@@ -110,21 +118,6 @@ def fused(tmp_path: Path) -> tuple[Path, Path, Path]:
     return primary, mirror, primary / "m.gguf"
 
 
-def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:
-    fmt = format_of(path.name)
-    assert fmt is not None
-    return [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
-
-
-def wait_stored(m, at_least: int) -> dict:
-    deadline = time.monotonic() + 10  # the stores run after the reply, on their own thread
-    while (st := m.stats())["prefetch"]["bytes_stored_ahead"] < at_least:
-        assert time.monotonic() < deadline, st["prefetch"]
-        time.sleep(0.01)
-    return st
-
-
-@pytest.mark.daemon_warns("needs the native engine")
 def test_each_extent_of_a_fused_expert_is_prefetched_and_a_fault_prefetches_its_own(
     fused, tmp_path: Path, engine: str
 ) -> None:
