@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from colifs.backing import BackingIO, OsIO
-from colifs.catalogue import build_files, describe, partial_weights
+from colifs.balance import Adaptive, Balancer
+from colifs.catalogue import build_files, describe, partial_weights, traffic_by_copies
 from colifs.checks import check_mountpoint, check_roots
 from colifs.config import MountConfig, mount_options
 from colifs.health import Health
@@ -58,6 +59,7 @@ class Assembly:
     engine: Engine
     recorder: UsageRecorder
     tuning: Tuning
+    adaptive: Adaptive
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,11 @@ class _Routing:
     weights: list[float]  # for the files the mirrors hold (partial mirrors get more)
     probe: tuple[dict, ...]
     partial: dict | None
+    by_set: dict[tuple[int, ...], float] | None  # traffic per set of copies, when mirrors are partial
+
+    def held(self, weights: list[float]) -> list[float]:
+        """Plain weights -> the weights for the files the mirrors hold (partial mirrors get more)."""
+        return weights if self.by_set is None else partial_weights(weights, self.by_set)[0]
 
 
 def assemble(
@@ -85,8 +92,9 @@ def assemble(
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
     router = Router(routing.weights, cfg.routing == "stripe", health)
     info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
+    balancer = Balancer([r.weight for r in routing.replicas], fixed=cfg.fixed_weights)
     parts = _Parts(
-        cfg, mnt, tree, files, routing.replicas, info, health, router, warnings or RecentWarnings()
+        cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings()
     )
     if cfg.engine == "native":
         return parts.native(usage_path, saving, history.runs)
@@ -105,16 +113,16 @@ def _routing(
         replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]
     log.info("%s", describe(replicas, cfg.weights_source, files))
     weights, partial = [r.weight for r in replicas], None
-    if len(replicas) > 1 and history:
-        weights, partial = partial_weights(files, weights, history)
-        if partial is not None:
-            log.info(
-                "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
-                "expected byte split %s",
-                " / ".join(f"{100 * x:.0f}%" for x in partial["coverage"][1:]),
-                ":".join(f"{w:.3g}" for w in weights),
-                " / ".join(f"{100 * x:.0f}%" for x in partial["predicted_byte_share"]),
-            )
+    by_set = traffic_by_copies(files, history, len(replicas)) if len(replicas) > 1 and history else None
+    if by_set is not None:
+        weights, partial = partial_weights(weights, by_set)
+        log.info(
+            "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
+            "expected byte split %s",
+            " / ".join(f"{100 * x:.0f}%" for x in partial["coverage"][1:]),
+            ":".join(f"{w:.3g}" for w in weights),
+            " / ".join(f"{100 * x:.0f}%" for x in partial["predicted_byte_share"]),
+        )
     shown = tuple(
         {
             "path": p.replica.root,
@@ -125,7 +133,7 @@ def _routing(
         }
         for p in probed
     )
-    return _Routing(replicas, weights, shown, partial)
+    return _Routing(replicas, weights, shown, partial, by_set)
 
 
 @dataclass(frozen=True)
@@ -136,11 +144,19 @@ class _Parts:
     mnt: str
     tree: Tree
     files: dict[int, ServedFile]
-    replicas: list[Replica]
+    routing: _Routing
     info: MountInfo
     health: list[Health]
     router: Router
+    balancer: Balancer
     warnings: RecentWarnings
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return self.routing.replicas
+
+    def _adaptive(self, activity: Callable[[], tuple], apply: Callable[[list[float]], None]) -> Adaptive:
+        return Adaptive(self.balancer, activity, self.routing.held, apply)
 
     def _stats(
         self,
@@ -151,7 +167,7 @@ class _Parts:
     ) -> Stats:
         return Stats(
             self.replicas, self.info, counters, self.health, in_flight, recorder.status, tuning.applied,
-            self.warnings.lines,
+            self.warnings.lines, self.balancer.as_dict,
         )  # fmt: skip
 
     def _namespace(self, stats: Stats) -> Namespace:
@@ -183,7 +199,10 @@ class _Parts:
         ops = ColiFS(ns, reader, workers[0].run)
         options = mount_options(cfg.allow_other, cfg.fuse_options)
         engine = Pyfuse3Engine(ops, reader, workers, self.mnt, options)
-        return Assembly(self.mnt, stats, engine, recorder, tuning)
+        adaptive = self._adaptive(
+            lambda: (stats.bytes_served, [w.busy_seconds for w in workers]), reader.set_weights
+        )
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
         from colifs.native import NativeCounters, NativeEngine, key_table
@@ -209,4 +228,5 @@ class _Parts:
             mirror_timeout=cfg.mirror_timeout,
             prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
         )
-        return Assembly(self.mnt, stats, engine, recorder, tuning)
+        adaptive = self._adaptive(counters.activity, engine.set_weights)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)

@@ -66,12 +66,11 @@ def _vouched(files: Mapping[int, ServedFile], tree: Tree, replicas: Sequence[Rep
     return out
 
 
-def partial_weights(
-    files: Mapping[int, ServedFile], weights: Sequence[float], history: Usage
-) -> tuple[list[float], dict | None]:
-    """Weights such that, with partial mirrors, the bytes split as the weights say (as far as the
-    copies allow), from the traffic in the usage history; and what stats.json shows of it. None
-    when every mirror is full (or nothing was ever read)."""
+def traffic_by_copies(
+    files: Mapping[int, ServedFile], history: Usage, nrep: int
+) -> dict[tuple[int, ...], float] | None:
+    """The traffic in the usage history per set of replicas holding it; None when every mirror is
+    full (or nothing was ever read): then no correction is needed."""
     layouts = {f.relpath: f.layout for f in files.values() if f.layout is not None}
     expected = traffic(layouts, history)
     by_set: dict[tuple[int, ...], float] = defaultdict(float)
@@ -79,9 +78,18 @@ def partial_weights(
         if f.layout is not None:
             by_set[f.copies] += expected[f.relpath]
     total = sum(by_set.values())
-    full = tuple(range(len(weights)))
-    if total <= 0 or by_set.get(full, 0.0) >= total:
-        return list(weights), None
+    if total <= 0 or by_set.get(tuple(range(nrep)), 0.0) >= total:
+        return None
+    return dict(by_set)
+
+
+def partial_weights(
+    weights: Sequence[float], by_set: Mapping[tuple[int, ...], float]
+) -> tuple[list[float], dict]:
+    """Weights such that, with partial mirrors, the bytes split as `weights` say (as far as the
+    copies allow), from the traffic per set of copies (`traffic_by_copies`); and what stats.json
+    shows of it."""
+    total = sum(by_set.values())
     balanced = balanced_weights(weights, by_set)
     scale = weights[0] / balanced[0] if balanced[0] > 1e-9 else sum(weights)
     return [w * scale for w in balanced], {

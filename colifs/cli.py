@@ -44,6 +44,11 @@ def parser() -> argparse.ArgumentParser:
         help="without weights, measure each drive for about S seconds at mount (default: 2)",
     )
     m.add_argument("--no-probe", action="store_true", help="without weights, use equal weights, no probe")
+    m.add_argument(
+        "--fixed-weights",
+        action="store_true",
+        help="keep the weights of the mount for good (default: they follow what each drive delivers now)",
+    )
     m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     m.add_argument(
         "--allow-other",

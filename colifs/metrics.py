@@ -64,8 +64,21 @@ def prometheus(st: dict) -> str:
     lines += _family(
         "weight_share",
         "gauge",
-        "Share of the traffic the weights give each drive.",
+        "Share of the traffic the weights in force give each drive.",
         per_replica("weight_share"),
+    )
+    measured = [(labels, v) for labels, v in per_replica("measured_mb_per_s") if v is not None]
+    lines += _family(
+        "drive_rate_bytes_per_second",
+        "gauge",
+        "What each drive delivers per second busy, as measured while serving (the weights follow it).",
+        [(labels, v * 1e6) for labels, v in measured],
+    )
+    lines += _family(
+        "weight_changes",
+        "counter",
+        "Times the weights in force changed while serving.",
+        [({"mountpoint": m}, st["balance"]["changes"])],
     )
     lines += _family(
         "fallbacks",

@@ -58,7 +58,7 @@ def _run(asm: Assembly, usage_interval: float, on_ready: Callable[[], None], ear
         engine.mount()
     except RuntimeError as e:
         raise MountError(f"cannot mount on {asm.mountpoint}: {e}") from None
-    tasks: list[Callable[[], Awaitable[None]]] = [engine.watch]
+    tasks: list[Callable[[], Awaitable[None]]] = [engine.watch, asm.adaptive.run]
     if asm.recorder.saving:
         tasks.append(functools.partial(asm.recorder.keep, usage_interval))
     trio.run(_main, asm.mountpoint, asm.tuning, on_ready, early, engine.run, engine.stop, tasks)

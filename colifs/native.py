@@ -27,7 +27,7 @@ from colifs.layout import ExpertKey, Key
 from colifs.logs import WarnOnce
 from colifs.mirrors import MirrorPolicy
 from colifs.namespace import CONTROL_FILES, CONTROL_INO, Namespace
-from colifs.readplan import Router, run_table
+from colifs.readplan import Router, route_columns, run_table
 from colifs.replicas import Replica, ServedFile
 from colifs.usage import Usage
 from colifs.workers import TimedOut
@@ -60,9 +60,10 @@ _KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
 class NativeCounters:
     """The counters the native engine writes, in memory Python owns (an anonymous mmap).
 
-    Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy, mirror
-    successes; fallbacks; prefetch (bytes stored ahead, prefetches, bytes asked again soon after);
-    per key and drive routed bytes; per key reads; per file bytes, reads.
+    Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
+    flight), mirror successes, busy time (ns with a read running); fallbacks; prefetch (bytes stored
+    ahead, prefetches, bytes asked again soon after); per key and drive routed bytes; per key reads;
+    per file bytes, reads.
     """
 
     def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
@@ -70,15 +71,16 @@ class NativeCounters:
         self.keys = list(keys)
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 5 + [1, 3, nk * nrep, nk, nf, nf]
+        sizes = [nrep] * 6 + [1, 3, nk * nrep, nk, nf, nf]
         self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
         for n in sizes:
             views.append(words[at : at + n])
             at += n
-        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._fallbacks, self._prefetch,
-         self._key_bytes, self._key_reads, self._file_bytes, self._file_reads) = views  # fmt: skip
+        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._busy_ns,
+         self._fallbacks, self._prefetch, self._key_bytes, self._key_reads, self._file_bytes,
+         self._file_reads) = views  # fmt: skip
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
         self._taken_keys = [0] * (2 * nk)
         self._taken_files = [0] * (2 * nf)
@@ -128,6 +130,10 @@ class NativeCounters:
 
     def in_flight(self) -> list[int]:
         return self._busy.tolist()
+
+    def activity(self) -> tuple[list[int], list[float]]:
+        """Per drive: bytes served and seconds with a read running, since mount (the balancer's input)."""
+        return self._bytes.tolist(), [ns / 1e9 for ns in self._busy_ns.tolist()]
 
     def failed(self, drive: int) -> None:
         """The engine counts its errors itself."""
@@ -190,7 +196,7 @@ class NativeEngine:
         self.files = list(counters.files)
         self.counters = counters
         self.health = health
-        self.weights = router.weights
+        self.router = router
         self.striping = router.striping
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
@@ -221,6 +227,7 @@ class NativeEngine:
             xattr=self._xattr,
             listxattr=self._listxattr,
             event=self._event,
+            routes=route_columns(router.weights),
             prefetch_max=prefetch_max,
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
         )
@@ -255,8 +262,7 @@ class NativeEngine:
     def _file_row(self, f: ServedFile, key_ids: Mapping[Key, int]) -> tuple:
         mask = sum(1 << d for d in f.copies)
         idents = [f.identities.get(d, (0, 0, 0, 0)) for d in range(len(self.replicas))]
-        starts, keys, drives = run_table(f, self.weights, self.striping, key_ids)
-        return (os.fsencode(f.relpath), f.size, mask, idents, starts, keys, drives)
+        return (os.fsencode(f.relpath), f.size, mask, idents, *run_table(f, self.striping, key_ids))
 
     # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------
 
@@ -307,6 +313,11 @@ class NativeEngine:
 
     def _set_up(self, drive: int, up: bool) -> None:
         self.engine.set_up(drive, up)
+
+    def set_weights(self, weights: list[float]) -> None:
+        """New weights in force (colifs.balance): the next requests route by them; no table changes."""
+        self.router.weights[:] = weights
+        self.engine.set_routes(route_columns(weights))
 
     # -- lifecycle ---------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from colifs.health import Health
 from colifs.layout import ExpertKey
 from colifs.logs import WarnOnce
 from colifs.mirrors import MirrorPolicy, describe
-from colifs.readplan import Piece, Router, merge, pieces
+from colifs.readplan import Piece, Router, merge, pieces, usable_weights
 from colifs.recorder import Tally
 from colifs.replicas import Identity, Replica, ServedFile
 from colifs.stats import Stats
@@ -38,7 +38,7 @@ class OpenFile:
 
     file: ServedFile
     fds: list[int | None]  # per replica; None = not used for this file
-    weights: list[float]  # per replica; 0 where fds is None
+    usable: set[int]  # the replicas it may be read from (opened, unchanged): the primary always
     detached: set[int]  # mirrors not opened yet because they were down
     refs: int = 1
 
@@ -56,13 +56,13 @@ class OpenFile:
         self.detached.difference_update(ready)
         return ready
 
-    def attach(self, drive: int, fd: int, weight: float) -> None:
+    def attach(self, drive: int, fd: int) -> None:
         self.fds[drive] = fd
-        self.weights[drive] = weight
+        self.usable.add(drive)
 
     def stop_using(self, drive: int) -> None:
         """A mirror copy that changed: no more reads from it (its descriptor closes with the file)."""
-        self.weights[drive] = 0.0
+        self.usable.discard(drive)
 
 
 class Reader:
@@ -82,7 +82,8 @@ class Reader:
     ) -> None:
         self.pool = pool or BufferPool()
         self.tally = tally  # counts what is served per key and file (None: not counted)
-        # Per replica, for files the mirrors hold (a partial mirror gets more than its plain weight).
+        # Per replica, for files the mirrors hold (a partial mirror gets more than its plain weight):
+        # the router's list, changed in place by `set_weights`.
         self.weights = router.weights
         self.striping = router.striping
         self.health = health  # [0], the primary's, is never failed
@@ -106,8 +107,7 @@ class Reader:
             of = self._open.get(f.relpath)
             if of is None:
                 fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
-                weights = [self.weights[0]] + [0.0] * (len(self.replicas) - 1)
-                of = self._open[f.relpath] = OpenFile(f, fds, weights, set(f.copies[1:]))
+                of = self._open[f.relpath] = OpenFile(f, fds, {0}, set(f.copies[1:]))
                 await self._attach(of)
                 return of
             self.io.close(fd)  # another task opened it meanwhile
@@ -132,7 +132,7 @@ class Reader:
             except Changed as e:
                 self.mirrors.changed(f, i, str(e))
             else:
-                of.attach(i, fd, self.weights[i])
+                of.attach(i, fd)
 
     def open_files(self) -> int:
         """Files with descriptors open now (0 once every open was released)."""
@@ -163,9 +163,7 @@ class Reader:
 
     def _pieces(self, of: OpenFile, off: int, end: int) -> list[Piece]:
         """[off, end) as pieces (colifs.readplan), with the file's weights and the down mirrors out."""
-        weights = of.weights
-        if self._down:
-            weights = [0.0 if i in self._down else w for i, w in enumerate(weights)]
+        weights = usable_weights(self.weights, of.usable - self._down)
         return pieces(of.file, weights, self.striping, off, end)
 
     def _count(self, f: ServedFile, plan: list[Piece], asked: int) -> None:
@@ -308,6 +306,10 @@ class Reader:
         self.stats.fell_back()
         self.mirrors.read_failed(of.file, d, problem, timed_out)
         return False
+
+    def set_weights(self, weights: list[float]) -> None:
+        """New weights in force (colifs.balance): every request plans with them from now on."""
+        self.weights[:] = weights
 
     # -- mirror health (colifs.mirrors decides) --------------------------------------------------
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 from colifs.health import Health
 from colifs.layout import HEADER, Key
 from colifs.replicas import ServedFile
-from colifs.routing import CHUNK, pick, stripe_sequence
+from colifs.routing import CHUNK, STRIPE_SLOTS, bounds, fixed, pick, pick_fixed, stripe_sequence
 
 PLAIN = -2  # the extent of a file without a layout: plain bytes, always from the primary
 
@@ -93,68 +93,56 @@ def usable_weights(weights: Sequence[float], usable: set[int] | frozenset[int]) 
     return [w if i == 0 or i in usable else 0.0 for i, w in enumerate(weights)]
 
 
-def run_table(
-    f: ServedFile, weights: Sequence[float], striping: bool, key_ids: Mapping[Key, int]
-) -> tuple[bytes, bytes, bytes]:
-    """The native engine's table of `f`: segment starts (u64), key ids (i32, -1: header or plain) and,
-    per segment, one drive (u8) for each set of usable mirrors (column c: bit d-1 = mirror d).
+NOT_STRIPED = -1
 
-    Every column cuts the file where `pieces()` does (extents, and CHUNKs inside striped keys), and
-    gives each piece the drive `pieces()` gives it with that column's weights (a property test holds
-    them equal); neighbours with the same key and drives are merged. One pass over the extents:
-    a big checkpoint has ~100k extents and ~700k chunks.
+
+def run_table(f: ServedFile, striping: bool, key_ids: Mapping[Key, int]) -> tuple[bytes, bytes, bytes, bytes]:
+    """The native engine's table of `f`, independent of the weights: segment starts (u64), key ids
+    (i32, -1: header or plain bytes, always the primary's), fixed-point positions (u32) and stripe
+    rotations (i8, NOT_STRIPED for keys kept whole). The engine picks each piece's drive from the
+    routes in force (`route_columns`), so new weights never rebuild a table.
+
+    Segments follow the layout's extents; neighbours with the same key and route are merged.
     """
-    columns = [
-        usable_weights(weights, {d for d in f.copies if d and (c >> (d - 1)) & 1})
-        for c in range(1 << (len(weights) - 1))
-    ]
-    starts, keys, drives = array("Q"), array("i"), bytearray()
-    last: tuple[int, tuple[int, ...]] | None = None
-
-    def emit(start: int, key: int, row: tuple[int, ...]) -> None:
-        nonlocal last
-        if (key, row) != last:
-            last = (key, row)
-            starts.append(start)
-            keys.append(key)
-            drives.extend(row)
-
-    primary = (0,) * len(columns)
+    starts, keys, where, rotations = array("Q"), array("i"), array("I"), array("b")
     layout = f.layout
-    if layout is None:
-        if f.size:
-            emit(0, -1, primary)
-        return starts.tobytes(), keys.tobytes(), bytes(drives)
-    by_chunk: list[tuple[int, ...]] = []  # striped drives of each column, per sequence slot
-    for start, stop, extent in layout.pieces(0, f.size):
-        if extent == HEADER:
-            emit(start, -1, primary)
-            continue
-        key = key_ids[layout.keys[extent]]
-        rotation = f.stripes[extent] if striping else -1
-        if rotation < 0:
-            emit(start, key, tuple(pick(f.positions[extent], w) for w in columns))
-            continue
-        if not by_chunk:
-            by_chunk = list(zip(*(_sequence(tuple(w)) for w in columns), strict=True))
-        row = by_chunk[(start // CHUNK + rotation) % len(by_chunk)]
-        emit(start, key, row)
-        last = (key, _chunks(start, stop, key, rotation, by_chunk, row, starts, keys, drives))
-    return starts.tobytes(), keys.tobytes(), bytes(drives)
+    last: tuple[int, int, int] | None = None
+    plain = [(0, f.size, PLAIN)] if f.size else []
+    for start, _stop, extent in layout.pieces(0, f.size) if layout is not None else plain:
+        if extent < 0:
+            row = (-1, 0, NOT_STRIPED)
+        else:
+            rotation = f.stripes[extent] if striping else NOT_STRIPED
+            row = (key_ids[layout.keys[extent]], fixed(f.positions[extent]), rotation)  # type: ignore[union-attr]
+        if row != last:
+            last = row
+            starts.append(start)
+            keys.append(row[0])
+            where.append(row[1])
+            rotations.append(row[2])
+    return starts.tobytes(), keys.tobytes(), where.tobytes(), rotations.tobytes()
 
 
-def _chunks(
-    start: int, stop: int, key: int, rotation: int, by_chunk: list[tuple[int, ...]], row: tuple[int, ...],
-    starts: array, keys: array, drives: bytearray,
-) -> tuple[int, ...]:  # fmt: skip
-    """The segments of a striped key after its first chunk (the hot loop: ~700k chunks in a big
-    checkpoint); returns the drives of its last segment."""
-    slots = len(by_chunk)
-    for chunk in range(start // CHUNK + 1, (stop - 1) // CHUNK + 1):
-        nxt = by_chunk[(chunk + rotation) % slots]
-        if nxt != row:
-            row = nxt
-            starts.append(chunk * CHUNK)
-            keys.append(key)
-            drives.extend(row)
-    return row
+def route_columns(weights: Sequence[float]) -> bytes:
+    """What the native engine routes by, for each set of usable mirrors (column c: bit d-1 = mirror
+    d usable): the replicas' interval bounds (u64 each, `routing.bounds`) then the stripe sequence
+    (STRIPE_SLOTS u8), with 0 weight for the mirrors outside the set. Small (a few KiB at most):
+    swapped whole when the weights change."""
+    out = bytearray()
+    for c in range(1 << (len(weights) - 1)):
+        w = usable_weights(weights, {d for d in range(1, len(weights)) if (c >> (d - 1)) & 1})
+        out += array("Q", bounds(w)).tobytes()
+        out += bytes(_sequence(tuple(w)))
+    return bytes(out)
+
+
+def table_drive(columns: bytes, nrep: int, col: int, key: int, where: int, rotation: int, at: int) -> int:
+    """The drive the native engine gives the byte at `at` of a segment (native/drives.c
+    `segment_drive`, in Python for the tests)."""
+    if key < 0:
+        return 0
+    width = 8 * nrep + STRIPE_SLOTS
+    row = columns[col * width : (col + 1) * width]
+    if rotation != NOT_STRIPED:
+        return row[8 * nrep + (at // CHUNK + rotation) % STRIPE_SLOTS]
+    return pick_fixed(where, array("Q", row[: 8 * nrep]).tolist())

@@ -50,22 +50,42 @@ def positions(keys: Iterable[Key]) -> dict[Key, float]:
     return out
 
 
+SCALE = 1 << 32  # positions and interval bounds in fixed point: Python and the native engine agree
+
+
+def fixed(u: float) -> int:
+    """A position u in [0, 1) as a 32-bit integer (what the native engine's tables hold)."""
+    return min(int(u * SCALE), SCALE - 1)
+
+
+def bounds(weights: Sequence[float]) -> list[int]:
+    """The upper end of each replica's interval of [0, SCALE): replica i serves positions p with
+    bounds[i-1] <= p < bounds[i]. A weight of 0 gives an empty interval; from the last positive
+    weight on, every bound is SCALE (rounding never leaves a position without a replica)."""
+    total = sum(weights)
+    last = max(i for i, w in enumerate(weights) if w > 0)
+    out, acc = [], 0.0
+    for i, w in enumerate(weights):
+        acc += w
+        out.append(SCALE if i >= last else min(SCALE, int(acc / total * SCALE)))
+    return out
+
+
+def pick_fixed(p: int, bounds: Sequence[int]) -> int:
+    """The replica whose interval holds the fixed-point position p (as native/drives.c picks)."""
+    for i, b in enumerate(bounds):
+        if p < b:
+            return i
+    return 0  # unreachable: the last bound is SCALE
+
+
 def pick(u: float, weights: Sequence[float]) -> int:
     """The replica whose interval holds u. A weight of 0 (no valid copy, or down) is never picked.
 
     At least one weight must be positive (the reader sends a request whose weights are all 0 to
     the primary without asking).
     """
-    total = 0.0
-    for w in weights:
-        total += w
-    target = u * total
-    acc = 0.0
-    for i, w in enumerate(weights):
-        acc += w
-        if w > 0 and target < acc:
-            return i
-    return max(i for i, w in enumerate(weights) if w > 0)  # u rounding onto the very top
+    return pick_fixed(fixed(u), bounds(weights))
 
 
 def parse_weights(text: str, count: int) -> list[float]:

@@ -94,6 +94,7 @@ class Stats:
         usage: Callable[[], dict],
         kernel: Callable[[], dict],
         warnings: Callable[[], list[str]],
+        balance: Callable[[], dict],
     ) -> None:
         self.replicas = list(replicas)
         self.info = info
@@ -104,6 +105,7 @@ class Stats:
         self._usage = usage
         self._kernel = kernel
         self._warnings = warnings
+        self._balance = balance  # the weights in force and the drives' measured rates
         self.last_error: list[str | None] = [None] * len(replicas)
 
     @property
@@ -157,7 +159,7 @@ class Stats:
     def as_dict(self, files: Sequence[ServedFile]) -> dict:
         total = sum(self.bytes_served) or 1
         in_flight = self.in_flight()
-        weight_sum = sum(r.weight for r in self.replicas)
+        balance = self._balance()
         return {
             "version": __version__,
             "pid": os.getpid(),
@@ -169,13 +171,15 @@ class Stats:
             "prefetch": self.counters.prefetch,
             "kernel": self._kernel(),
             "probe": list(self.info.probe),
+            "balance": balance,
             "replicas": [
                 {
                     "name": name,
                     "path": r.root,
                     "role": r.role,
-                    "weight": r.weight,
-                    "weight_share": r.weight / weight_sum,
+                    "weight": balance["weights"][i],
+                    "weight_share": balance["shares"][i],
+                    "measured_mb_per_s": balance["measured_mb_per_s"][i],
                     "bytes_served": self.bytes_served[i],
                     "byte_share": self.bytes_served[i] / total,
                     "reads": self.reads[i],

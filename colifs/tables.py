@@ -12,15 +12,20 @@ from colifs.verify import Row
 
 def stats_table(mountpoint: str, data: dict) -> list[str]:
     """`colifs stats`: one row per replica, then fallbacks, partial-mirror split, usage, notes."""
+    balance = data["balance"]
+    how = "adaptive: they follow each drive's measured MB/s" if balance["adaptive"] else "fixed"
     lines = [
-        f"colifs {mountpoint}: up {data['uptime_s']:.0f} s, weights {data['weights_source']}",
-        f"{'replica':<9} {'path':<32} {'weight':>7} {'GB':>9} {'share':>6} {'reads':>9} {'errors':>6}  state",
+        f"colifs {mountpoint}: up {data['uptime_s']:.0f} s, weights {data['weights_source']}, {how}",
+        f"{'replica':<9} {'path':<32} {'weight':>7} {'measured':>8} {'GB':>9} {'share':>6} {'reads':>9}"
+        f" {'errors':>6}  state",
     ]
     for r in data["replicas"]:
         lines.append(
-            f"{r['name']:<9} {r['path']:<32} {r['weight_share']:>6.0%} {r['bytes_served'] / 1e9:>9.2f}"
-            f" {r['byte_share']:>6.0%} {r['reads']:>9} {r['read_errors']:>6}  {_state(r.get('health'))}"
+            f"{r['name']:<9} {r['path']:<32} {r['weight_share']:>6.0%} {_rate(r):>8}"
+            f" {r['bytes_served'] / 1e9:>9.2f} {r['byte_share']:>6.0%} {r['reads']:>9} {r['read_errors']:>6}"
+            f"  {_state(r.get('health'))}"
         )
+    lines += _weight_change(balance)
     lines.append(f"fallbacks {data['fallbacks']}")
     partial = data.get("partial_mirror")
     if partial:
@@ -36,6 +41,19 @@ def stats_table(mountpoint: str, data: dict) -> list[str]:
     notes = {name: f["note"] for name, f in data["files"].items() if f["note"]}
     lines.extend(f"note: {name}: {note}" for name, note in sorted(notes.items()))
     return lines
+
+
+def _weight_change(balance: dict) -> list[str]:
+    last = balance["last_change"]
+    if not last["at"]:
+        return []
+    before = " / ".join(f"{x:.0%}" for x in last["shares_before"])
+    after = " / ".join(f"{x:.0%}" for x in last["shares_after"])
+    return [f"weights changed {balance['changes']} times; last: {before} -> {after} ({last['why']})"]
+
+
+def _rate(replica: dict) -> str:
+    return "-" if replica["measured_mb_per_s"] is None else f"{replica['measured_mb_per_s']:.0f}MB/s"
 
 
 def _state(health: dict | None) -> str:

@@ -35,6 +35,10 @@ class DriveWorkers:
         self.name = name
         self.timeout = timeout
         self.busy = 0  # jobs queued or running: reads in flight on this drive
+        self._running = 0  # jobs running now, and since when (under _lock): the drive's busy time
+        self._since = 0.0
+        self._busy_s = 0.0
+        self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._serve, name=f"{name}-{i}", daemon=True) for i in range(threads)
@@ -45,7 +49,26 @@ class DriveWorkers:
     def _serve(self) -> None:
         while (job := self._queue.get()) is not None:
             fn, args, deliver = job
-            deliver(outcome.capture(fn, *args))
+            self._active(1)
+            result = outcome.capture(fn, *args)
+            self._active(-1)
+            deliver(result)
+
+    def _active(self, delta: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if delta > 0 and self._running == 0:
+                self._since = now
+            self._running += delta
+            if delta < 0 and self._running == 0:
+                self._busy_s += now - self._since
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds with at least one job running, since start (what colifs.balance divides by)."""
+        with self._lock:
+            running = time.monotonic() - self._since if self._running else 0.0
+            return self._busy_s + running
 
     def submit(
         self, fn: Callable[..., Any], args: tuple[Any, ...], deliver: Callable[[outcome.Outcome], None]

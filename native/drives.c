@@ -223,6 +223,25 @@ static int mirror_fd(engine_t *e, job_t *j) {
     return fd;
 }
 
+static uint64_t mono_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
+}
+
+/* A read starts or ends on drive d: the time with at least one read running is the drive's busy
+ * time, what its measured rate (bytes per busy second, colifs.balance) divides by. Added up at every
+ * start and end, so a drive that is never idle still shows its busy time as it goes. */
+static void drive_active(engine_t *e, int d, int delta) {
+    pthread_mutex_lock(&e->activity[d].m);
+    uint64_t now = mono_ns();
+    if (e->activity[d].running > 0)
+        atomic_fetch_add(&e->ctr.drive_busy_ns[d], now - e->activity[d].since);
+    e->activity[d].since = now;
+    e->activity[d].running += delta;
+    pthread_mutex_unlock(&e->activity[d].m);
+}
+
 static void run_job(engine_t *e, job_t *j) {
     int fd = mirror_fd(e, j);
     if (fd < 0) {
@@ -234,7 +253,11 @@ static void run_job(engine_t *e, job_t *j) {
         }
         return;
     }
+    drive_active(e, j->drive, 1);
     j->got = pread_full(fd, j->dst, j->len, j->off, j->f->direct[j->drive]);
+    int err = errno;
+    drive_active(e, j->drive, -1);
+    errno = err;
     if (j->got < 0) {
         j->err = errno;
         snprintf(j->what, sizeof j->what, "read error at %llu: %s", (unsigned long long)j->off,
@@ -349,7 +372,7 @@ void drives_stop(engine_t *e) {
     }
 }
 
-/* -- planning: [start, end) -> runs of one drive each, as colifs.planner.runs() cuts them -------- */
+/* -- planning: [start, end) -> runs of one drive each, as colifs.readplan.plan() cuts them --------- */
 
 static uint32_t usable(engine_t *e, file_t *f) {
     uint32_t m = f->mask & atomic_load(&e->up) & ~atomic_load(&f->dropped);
@@ -404,19 +427,64 @@ static void snap_feed(snapper_t *s, uint64_t at, int d) {
     s->drive = d;
 }
 
+/* A copy of one column's routes, taken once per request (see route_t). */
+typedef struct {
+    uint64_t bound[MAX_REPLICAS];
+    uint8_t seq[STRIPE_SLOTS];
+    uint32_t allowed; /* the column's drives (bit d) */
+} routes_now_t;
+
+static void routes_now(engine_t *e, uint32_t col, routes_now_t *r) {
+    const route_t *rt = &e->routes[col];
+    uint64_t before, after;
+    do {
+        before = atomic_load_explicit(&e->routes_gen, memory_order_acquire);
+        for (int d = 0; d < e->nrep; d++)
+            r->bound[d] = atomic_load_explicit(&rt->bound[d], memory_order_relaxed);
+        for (int k = 0; k < STRIPE_SLOTS; k++)
+            r->seq[k] = atomic_load_explicit(&rt->seq[k], memory_order_relaxed);
+        atomic_thread_fence(memory_order_acquire);
+        after = atomic_load_explicit(&e->routes_gen, memory_order_relaxed);
+    } while ((before & 1) || before != after);
+    r->allowed = (col << 1) | 1u;
+}
+
+/* The drive of the byte at `at` of segment i, and where that drive's piece ends (a stripe chunk's
+ * end, or the segment's), as colifs.readplan.table_drive gives it. */
+static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t *r, uint32_t i, uint64_t at,
+                         uint64_t seg_end, uint64_t *piece_end) {
+    *piece_end = seg_end;
+    if (f->seg_key[i] < 0)
+        return 0;
+    if (f->seg_rot[i] != NOT_STRIPED) {
+        uint64_t chunk = at / CHUNK;
+        if ((chunk + 1) * CHUNK < seg_end)
+            *piece_end = (chunk + 1) * CHUNK;
+        int d = r->seq[(chunk + (uint64_t)f->seg_rot[i]) % STRIPE_SLOTS];
+        return (r->allowed >> d) & 1 ? d : 0;
+    }
+    for (int d = 0; d < e->nrep; d++)
+        if (f->seg_pos[i] < r->bound[d])
+            return (r->allowed >> d) & 1 ? d : 0; /* the check set_routes made: never outside */
+    return 0;
+}
+
 /* Cut [start, end) into runs (their last one ending at stop) and count what [off, end) asked of
  * each key. Returns the number of runs. */
 static size_t plan(engine_t *e, file_t *f, uint32_t col, uint64_t start, uint64_t end, uint64_t stop,
                    uint64_t off, run_t *runs) {
     snapper_t s = {runs, 0, 0, 0, 0};
+    routes_now_t r;
+    routes_now(e, col, &r);
     uint32_t i = segment_at(f, start);
     uint64_t pos = start;
     int have = 0, drive = 0;
     int32_t last_key = -1;
     while (pos < end && i < f->nseg) {
-        uint64_t seg_end = i + 1 < f->nseg ? f->seg_start[i + 1] : f->size;
-        uint64_t piece_end = seg_end < end ? seg_end : end;
-        int d = f->seg_drive[(size_t)i * (size_t)e->ncols + col];
+        uint64_t seg_end = i + 1 < f->nseg ? f->seg_start[i + 1] : f->size, piece_end;
+        int d = segment_drive(e, f, &r, i, pos, seg_end, &piece_end);
+        if (piece_end > end)
+            piece_end = end;
         int32_t k = f->seg_key[i];
         uint64_t from = pos > off ? pos : off;
         if (k >= 0 && piece_end > from) {
@@ -431,12 +499,52 @@ static size_t plan(engine_t *e, file_t *f, uint32_t col, uint64_t start, uint64_
             drive = d;
         }
         pos = piece_end;
-        i++;
+        if (pos >= seg_end)
+            i++;
     }
     if (!have)
         snap_feed(&s, start, 0);
     snap_emit(&s, s.bound, stop, s.drive);
     return s.n;
+}
+
+int set_routes(engine_t *e, const uint8_t *data, size_t len) {
+    size_t width = 8 * (size_t)e->nrep + STRIPE_SLOTS;
+    if (len != width * (size_t)e->ncols)
+        return -1;
+    for (int c = 0; c < e->ncols; c++) { /* every column checked before any is changed */
+        const uint8_t *row = data + (size_t)c * width;
+        uint32_t allowed = ((uint32_t)c << 1) | 1u;
+        uint64_t prev = 0, b = 0;
+        for (int d = 0; d < e->nrep; d++, prev = b) {
+            memcpy(&b, row + 8 * d, 8);
+            if (b < prev || b > (1ull << 32) || (b > prev && !(allowed & (1u << d))))
+                return -1;
+        }
+        if (b != 1ull << 32)
+            return -1;
+        for (int k = 0; k < STRIPE_SLOTS; k++) {
+            uint8_t d = row[8 * e->nrep + k];
+            if (d >= e->nrep || !(allowed & (1u << d)))
+                return -1;
+        }
+    }
+    uint64_t gen = atomic_load_explicit(&e->routes_gen, memory_order_relaxed);
+    atomic_store_explicit(&e->routes_gen, gen + 1, memory_order_relaxed);
+    atomic_thread_fence(memory_order_release);
+    for (int c = 0; c < e->ncols; c++) {
+        const uint8_t *row = data + (size_t)c * width;
+        route_t *rt = &e->routes[c];
+        for (int d = 0; d < e->nrep; d++) {
+            uint64_t b;
+            memcpy(&b, row + 8 * d, 8);
+            atomic_store_explicit(&rt->bound[d], b, memory_order_relaxed);
+        }
+        for (int k = 0; k < STRIPE_SLOTS; k++)
+            atomic_store_explicit(&rt->seq[k], row[8 * e->nrep + k], memory_order_relaxed);
+    }
+    atomic_store_explicit(&e->routes_gen, gen + 2, memory_order_release);
+    return 0;
 }
 
 /* -- reading ---------------------------------------------------------------------------------- */
@@ -527,8 +635,10 @@ typedef struct {
 /* A run read from the primary, inline on the request's thread; 0 or the errno. */
 static int read_primary(engine_t *e, file_t *f, char *dst, const run_t *run, result_t *res) {
     atomic_fetch_add(&e->ctr.drive_busy[0], 1);
+    drive_active(e, 0, 1);
     res->got = pread_full(atomic_load(&f->fd[0]), dst, run->end - run->start, run->start, f->direct[0]);
     int err = res->got < 0 ? errno : 0;
+    drive_active(e, 0, -1);
     atomic_fetch_sub(&e->ctr.drive_busy[0], 1);
     res->status = err ? RES_FAILED : RES_OK;
     if (err)

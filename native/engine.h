@@ -27,6 +27,9 @@
 #define BLOCK 4096         /* O_DIRECT alignment that is safe on every filesystem here */
 #define REQUEST (1u << 20) /* the largest FUSE read request (max_pages 256) */
 #define REQ_BUF (REQUEST + 2 * BLOCK)
+#define CHUNK (1u << 20)   /* stripe unit (colifs.routing.CHUNK) */
+#define STRIPE_SLOTS 64    /* length of a stripe sequence (colifs.routing.STRIPE_SLOTS) */
+#define NOT_STRIPED (-1)   /* a segment's key is kept whole on one drive */
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open */
 #define FD_OPENING (-3) /* a drive thread is opening it (without the lock: the open may hang) */
@@ -68,14 +71,17 @@ typedef struct {
     uint32_t mask;             /* replicas holding a valid copy (bit d: drive d; bit 0 always) */
     _Atomic uint32_t dropped;  /* mirrors changed since mount: never used again for this file */
     ident_t ident[MAX_REPLICAS];
-    /* Run table: segment i is [start[i], start[i+1]) (the last ends at size), key[i] (-1: none),
-     * drive[i * ncols + c] for column c = the set of usable mirrors (bit d-1: mirror d). */
+    /* Run table (colifs.readplan.run_table), independent of the weights: segment i is
+     * [start[i], start[i+1]) (the last ends at size), key[i] (-1: header or plain bytes, from the
+     * primary), pos[i] its fixed-point routing position, rot[i] its stripe rotation (NOT_STRIPED:
+     * whole on one drive). The drive comes from the routes in force (engine.routes). */
     uint32_t nseg;
     uint64_t *seg_start;
     int32_t *seg_key;
+    uint32_t *seg_pos;
+    int8_t *seg_rot;
     _Atomic uint64_t *seg_prefetched; /* nseg, with prefetch on: monotonic ns of the last prefetch of
                                        * the extent that begins at the segment */
-    uint8_t *seg_drive;
     /* Descriptors, shared by all opens of the file. */
     pthread_mutex_t lock;
     pthread_cond_t opened; /* a mirror open finished */
@@ -86,6 +92,17 @@ typedef struct {
 } file_t;
 
 struct job;
+
+/* How one set of usable mirrors (a column: bit d-1 = mirror d) routes, from the weights in force
+ * (colifs.readplan.route_columns): drive d serves positions in [bound[d-1], bound[d]), stripe
+ * chunk c goes to seq[(c + rotation) % STRIPE_SLOTS]. Python rewrites them while requests read
+ * them, under a sequence lock (engine.routes_gen, odd while a rewrite runs; one writer: the GIL):
+ * a request copies its column whole, again if a rewrite ran meanwhile, so it routes by one table;
+ * and it never picks a drive outside its column whatever it read (drives.c segment_drive). */
+typedef struct {
+    _Atomic uint64_t bound[MAX_REPLICAS];
+    _Atomic uint8_t seq[STRIPE_SLOTS];
+} route_t;
 
 struct engine;
 
@@ -102,6 +119,7 @@ typedef struct {
 /* Counters, read by Python through memoryviews (64-bit aligned: plain loads are atomic). */
 typedef struct {
     _Atomic uint64_t *drive_bytes, *drive_reads, *drive_errors, *drive_busy;
+    _Atomic uint64_t *drive_busy_ns;      /* time with a read running on the drive (its rate's base) */
     _Atomic uint64_t *fallbacks;          /* [0] */
     _Atomic uint64_t *key_bytes;          /* nkeys x nrep: bytes routed per key and drive */
     _Atomic uint64_t *key_reads;          /* nkeys */
@@ -132,6 +150,13 @@ typedef struct engine {
     size_t nkeys;
 
     counters_t ctr;
+    route_t routes[1 << (MAX_REPLICAS - 1)]; /* ncols */
+    _Atomic uint64_t routes_gen;              /* the routes' sequence lock */
+    struct {
+        pthread_mutex_t m;
+        int running;
+        uint64_t since;
+    } activity[MAX_REPLICAS]; /* reads running per drive, for drive_busy_ns */
 
     drive_t drives[MAX_REPLICAS];
     struct fuse_session *se;
@@ -167,6 +192,7 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
 int file_open(engine_t *e, file_t *f);
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
+int set_routes(engine_t *e, const uint8_t *data, size_t len); /* 0, or -1 when they are invalid */
 uint32_t segment_at(const file_t *f, uint64_t off); /* the run-table segment holding off */
 
 /* prefetch.c */

@@ -197,12 +197,12 @@ static int load_children(engine_t *e, PyObject *children) {
 
 static int load_file(engine_t *e, file_t *f, PyObject *t) {
     PyObject *relpath, *idents;
-    const char *starts, *keys, *drives;
-    Py_ssize_t ns, nk, nd;
+    const char *starts, *keys, *where, *rots;
+    Py_ssize_t ns, nk, np, nr;
     unsigned long long size;
     unsigned int mask;
-    if (!PyArg_ParseTuple(t, "SKIOy#y#y#", &relpath, &size, &mask, &idents, &starts, &ns, &keys, &nk, &drives,
-                          &nd))
+    if (!PyArg_ParseTuple(t, "SKIOy#y#y#y#", &relpath, &size, &mask, &idents, &starts, &ns, &keys, &nk, &where,
+                          &np, &rots, &nr))
         return -1;
     f->relpath = dup_bytes(relpath);
     if (!f->relpath)
@@ -230,29 +230,30 @@ static int load_file(engine_t *e, file_t *f, PyObject *t) {
         f->ident[d] = (ident_t){dev, ino, sz, mt};
     }
     uint32_t nseg = (uint32_t)(ns / 8);
-    if (ns % 8 || nk != (Py_ssize_t)nseg * 4 || nd != (Py_ssize_t)nseg * e->ncols || (size && !nseg)) {
+    if (ns % 8 || nk != (Py_ssize_t)nseg * 4 || np != (Py_ssize_t)nseg * 4 || nr != (Py_ssize_t)nseg ||
+        (size && !nseg)) {
         PyErr_SetString(PyExc_ValueError, "run table sizes do not agree");
         return -1;
     }
     f->nseg = nseg;
     f->seg_start = malloc((size_t)ns + 8);
     f->seg_key = malloc((size_t)nk + 4);
-    f->seg_drive = malloc((size_t)nd + 1);
+    f->seg_pos = malloc((size_t)np + 4);
+    f->seg_rot = malloc((size_t)nr + 1);
     f->seg_prefetched = e->prefetch_max && nseg ? calloc(nseg, sizeof *f->seg_prefetched) : NULL;
-    if (!f->seg_start || !f->seg_key || !f->seg_drive || (e->prefetch_max && nseg && !f->seg_prefetched)) {
+    if (!f->seg_start || !f->seg_key || !f->seg_pos || !f->seg_rot ||
+        (e->prefetch_max && nseg && !f->seg_prefetched)) {
         PyErr_NoMemory();
         return -1;
     }
     memcpy(f->seg_start, starts, (size_t)ns);
     memcpy(f->seg_key, keys, (size_t)nk);
-    memcpy(f->seg_drive, drives, (size_t)nd);
+    memcpy(f->seg_pos, where, (size_t)np);
+    memcpy(f->seg_rot, rots, (size_t)nr);
     for (uint32_t i = 0; i < nseg; i++) {
         int bad = (i == 0 ? f->seg_start[0] != 0 : f->seg_start[i] <= f->seg_start[i - 1]) ||
-                  f->seg_start[i] >= size || f->seg_key[i] < -1 || f->seg_key[i] >= (int32_t)e->nkeys;
-        for (int c = 0; c < e->ncols && !bad; c++) {
-            int d = f->seg_drive[(size_t)i * (size_t)e->ncols + (size_t)c];
-            bad = d >= e->nrep || (d && !((uint32_t)(c << 1) & (1u << d)) ) || !(f->mask & (1u << d));
-        }
+                  f->seg_start[i] >= size || f->seg_key[i] < -1 || f->seg_key[i] >= (int32_t)e->nkeys ||
+                  f->seg_rot[i] < NOT_STRIPED || f->seg_rot[i] >= STRIPE_SLOTS;
         if (bad) {
             PyErr_Format(PyExc_ValueError, "run table of %s: bad segment %u", f->relpath, i);
             return -1;
@@ -283,10 +284,10 @@ static int load_files(engine_t *e, PyObject *files) {
     return 0;
 }
 
-/* The counters live in memory Python owns, laid out as colifs.native.counter_layout() says. */
+/* The counters live in memory Python owns, laid out as colifs.native.NativeCounters says. */
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t r = (size_t)e->nrep;
-    size_t words = 5 * r + 1 + 3 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 6 * r + 1 + 3 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -298,6 +299,7 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     e->ctr.drive_errors = p, p += r;
     e->ctr.drive_busy = p, p += r;
     e->ctr.drive_ok = p, p += r;
+    e->ctr.drive_busy_ns = p, p += r;
     e->ctr.fallbacks = p, p += 1;
     e->ctr.prefetch = p, p += 3;
     e->ctr.key_bytes = p, p += e->nkeys * r;
@@ -312,23 +314,28 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
-                            "xattr", "listxattr", "event", "prefetch_max", "expert_keys", NULL};
+                            "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters;
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
     unsigned long long prefetch_max = 0;
-    Py_buffer experts = {0};
+    Py_buffer experts = {0}, routes = {0};
     if (self->e.nrep) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOO|Ky*", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event,
-                                     &prefetch_max, &experts))
+                                     &routes, &prefetch_max, &experts))
         return -1;
+    uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
+    size_t route_len = (size_t)routes.len;
+    if (route_len <= sizeof route_bytes)
+        memcpy(route_bytes, routes.buf, route_len);
+    PyBuffer_Release(&routes);
     int bad_experts = experts.buf && experts.len != nkeys;
     engine_t *pe = &self->e;
     if (!bad_experts && nkeys > 0) {
@@ -359,6 +366,12 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     e->nrep = (int)nrep;
     e->ncols = 1 << (e->nrep - 1);
+    for (int d = 0; d < e->nrep; d++)
+        pthread_mutex_init(&e->activity[d].m, NULL);
+    if (route_len > sizeof route_bytes || set_routes(e, route_bytes, route_len)) {
+        PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
+        return -1;
+    }
     for (int d = 0; d < e->nrep; d++) {
         PyObject *b = PySequence_GetItem(roots, d);
         e->roots[d] = b ? dup_bytes(b) : NULL;
@@ -490,6 +503,19 @@ static PyObject *Engine_set_up(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_set_routes(EngineObject *self, PyObject *args) {
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "y*", &b))
+        return NULL;
+    int bad = !self->e.nrep || set_routes(&self->e, b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_set_prefetch(EngineObject *self, PyObject *args) {
     int on;
     if (!PyArg_ParseTuple(args, "p", &on))
@@ -531,7 +557,8 @@ static void Engine_dealloc(EngineObject *self) {
             free(e->files[i].seg_start);
             free(e->files[i].seg_key);
             free(e->files[i].seg_prefetched);
-            free(e->files[i].seg_drive);
+            free(e->files[i].seg_pos);
+            free(e->files[i].seg_rot);
         }
         for (size_t i = 0; i < e->nnodes; i++)
             free(e->nodes[i].target);
@@ -559,6 +586,8 @@ static PyMethodDef Engine_methods[] = {
     {"loop", (PyCFunction)Engine_loop, METH_NOARGS, "Serve until unmounted or stopped (releases the GIL)."},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Make loop() return (from any thread)."},
     {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
+    {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
+     "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_prefetch", (PyCFunction)Engine_set_prefetch, METH_VARARGS,
      "set_prefetch(on): resume or pause the expert prefetch (memory is short)."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},

@@ -7,7 +7,8 @@ Serves the files of the flat directory SOURCE read-only. Every read looks at the
 the read until the mode changes (then answers it as the new mode says), `hang-open` holds every
 open until the mode changes (reads pass). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
-at once. Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
+at once. `slow MBPS` passes the bytes through at MBPS MB/s in all (a drive that slowed down).
+Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class FaultFS(pyfuse3.Operations):
         self.inodes = {os.fsencode(n): i + 2 for i, n in enumerate(names)}
         self.paths = {i + 2: os.path.join(source, n) for i, n in enumerate(names)}
         self.fds: dict[int, int] = {}
+        self.free_at = 0.0  # `slow`: when the "drive" has served what it was asked so far
 
     def _mode(self) -> str:
         with open(self.control) as f:
@@ -75,6 +77,9 @@ class FaultFS(pyfuse3.Operations):
             mode = self._mode()
         if mode == "eio":
             raise pyfuse3.FUSEError(errno.EIO)
+        if mode.startswith("slow "):
+            self.free_at = max(trio.current_time(), self.free_at) + size / (float(mode.split()[1]) * 1e6)
+            await trio.sleep_until(self.free_at)
         data = await trio.to_thread.run_sync(os.pread, fh, size, off)  # reads overlap, as on a drive
         return data[: len(data) // 2] if mode == "short" else data
 

@@ -110,11 +110,22 @@ def daemon_logs() -> list[str]:
 
 @contextmanager
 def mounted(
-    primary: Path, mirrors: list[Path], mnt: Path, *extra: str, env=None, colifs: list[str] = COLIFS
+    primary: Path,
+    mirrors: list[Path],
+    mnt: Path,
+    *extra: str,
+    env=None,
+    colifs: list[str] = COLIFS,
+    adaptive: bool = False,
 ) -> Iterator[Mount]:
     """Mount with the real CLI (or `colifs`, a command that runs it); unmount (and check every
-    mirror unchanged) whatever happens. The daemon logs to a file (its own --log-file, if given)."""
+    mirror unchanged) whatever happens. The daemon logs to a file (its own --log-file, if given).
+
+    The suite's replicas are directories on one disk, whose measured rates are noise: the weights
+    stay as given (--fixed-weights) unless the test is about adapting them (`adaptive`)."""
     before = {m: snapshot(m) for m in mirrors}
+    if not adaptive and mirrors:
+        extra = (*extra, "--fixed-weights")
     mnt.mkdir(exist_ok=True)
     if "--log-file" in extra:
         log = extra[extra.index("--log-file") + 1]

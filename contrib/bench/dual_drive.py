@@ -381,6 +381,73 @@ def fault_study(
         print(f"{key + ') ' + res[key]['label']:<46} {figures} {h['fallbacks']:>9}")
 
 
+def adapt_study(
+    args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
+) -> None:
+    """Adaptive weights: wrong weights, then the mirror slowed to a quarter and (separately) the
+    primary to a third while mounted. Each colifs phase runs after WARM s of the same load on the
+    same mount (what the weights had to follow), beside the drives read directly at the same
+    throttles and the same mount with --fixed-weights (the behaviour before adaptive weights)."""
+    f, s = args.fast, args.slow
+    a, b = rig.dirs
+    warm = 10.0
+
+    def warmed(key: str, label: str, *extra: str) -> None:
+        phase(key + "_warm", label + " (first 10 s)", [mnt], "--seconds", f"{warm:g}", *extra)
+        phase(key, label, [mnt], *extra)
+        res[key]["balance"] = json.loads((mnt / ".colifs" / "stats.json").read_text())["balance"]
+
+    phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
+    phase(
+        "c_1", "both directly, ideal split, 1 reader", [a, b], "--weights", f"{f:g},{s:g}", "--threads", "1"
+    )
+    with colifs_mount([a, b], mnt, "--weights", "1,1"):
+        warmed("w", "colifs, --weights 1,1")
+    with colifs_mount([a, b], mnt, "--weights", "1,1"):
+        warmed("w_1", "colifs, --weights 1,1, 1 reader", "--threads", "1")
+    for key, fast, slow, what in (
+        ("ms", f, s / 4, "mirror slowed to a quarter"),
+        ("ps", f / 3, s, "primary to a third"),
+    ):
+        for flag, tag in (("--fixed-weights", "fixed"), ("", "adaptive")):
+            rig.throttle(f, s)
+            with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *([flag] if flag else [])):
+                phase(f"{key}_{tag}_before", f"colifs {tag}, {f:g}+{s:g}", [mnt], "--seconds", "5")
+                rig.throttle(fast, slow)
+                warmed(f"{key}_{tag}", f"colifs {tag}, {what}")
+        phase(f"{key}_sum", f"both directly, {what}", [a, b], "--weights", f"{fast:g},{slow:g}")
+        phase(f"{key}_alone", f"faster drive alone, {what}", [a if fast >= slow else b])
+    rig.throttle(f, s)
+    _print_adapt(args, res)
+
+
+def _print_adapt(args: argparse.Namespace, res: dict[str, dict]) -> None:
+    print()
+    print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; {args.threads} readers, {args.seconds:g} s")
+    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<26} shares / measured MB/s")
+    rows = [
+        ("w", "c", "the sum"),
+        ("w_1", "c_1", "an ideal 3:1 mirror, 1 reader"),
+        ("ms_fixed", "ms_sum", "the new sum"),
+        ("ms_adaptive", "ms_sum", "the new sum"),
+        ("ms_adaptive", "ms_alone", "the faster drive alone"),
+        ("ps_fixed", "ps_sum", "the new sum"),
+        ("ps_adaptive", "ps_sum", "the new sum"),
+        ("ps_adaptive", "ps_alone", "the faster drive alone"),
+    ]
+    for key, ref, what in rows:
+        got, base = res[key]["gb_per_s"] * 1e3, res[ref]["gb_per_s"] * 1e3
+        bal = res[key].get("balance", {})
+        shares = " / ".join(f"{x:.0%}" for x in bal.get("shares", []))
+        rates = " / ".join("?" if x is None else f"{x:g}" for x in bal.get("measured_mb_per_s", []))
+        print(
+            f"{key + ') ' + res[key]['label']:<58} {got:>8.1f} {got / base:>6.2f}  {what:<26}"
+            f" {shares}  {rates}"
+        )
+    for key in ("w_warm", "ms_adaptive_warm", "ps_adaptive_warm"):
+        print(f"{key + ') ' + res[key]['label']:<58} {res[key]['gb_per_s'] * 1e3:>8.1f}")
+
+
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--fast", type=float, default=150, help="MB/s of the fast drive (default 150)")
@@ -421,6 +488,12 @@ def _parse() -> argparse.Namespace:
         action="store_true",
         help="only the fault study: the mirror healthy, hung, failing, through a fault-injecting FUSE",
     )
+    p.add_argument(
+        "--adapt-study",
+        action="store_true",
+        help="only the adaptive-weights study: wrong weights, the mirror or the primary slowing mid-run",
+    )
+    p.add_argument("--ram", action="store_true", help="the drive images in /dev/shm (fast drives)")
     p.add_argument("--zipf", type=float, default=1.0, help="skew of the partial study's workload (default 1)")
     p.add_argument(
         "--budget-share", type=float, default=0.25, help="share of the model staged in the partial study"
@@ -465,7 +538,9 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="colifs-dual-"))
     rig = None
     try:
-        rig = Rig(work, image_gb=args.model_gb * 1.6 + 0.3)  # room for the dense layers of small experts
+        rig = Rig(
+            work, image_gb=args.model_gb * 1.6 + 0.3, ram=args.ram
+        )  # room for the dense layers of small experts
         devs = rig.devnames()
         _write_model(rig, args)
         mnt = work / "mnt"
@@ -486,7 +561,8 @@ def main() -> int:
             if getattr(args, name):
                 study(args, phase, rig, mnt, res)
                 return 0
-        for name, study in {"partial_study": partial_study, "fault_study": fault_study}.items():
+        studies_w = {"partial_study": partial_study, "fault_study": fault_study, "adapt_study": adapt_study}
+        for name, study in studies_w.items():
             if getattr(args, name):
                 study(args, phase, rig, mnt, res, work)
                 return 0

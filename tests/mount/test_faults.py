@@ -398,3 +398,52 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
         assert any("primary read error" in w for w in st["recent_warnings"])
         control.write_text("ok")
         read_all(mnt, primary)  # still mounted, still right
+
+
+def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) -> None:
+    """Mounted with equal weights; the mirror slows to 4 MB/s mid-run: within seconds the weights in
+    force follow what each drive delivers (no remount), and every byte stays the primary's."""
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
+    ):
+        assert stats(mnt)["balance"]["adaptive"] and stats(mnt)["replicas"][1]["weight_share"] == 0.5
+        control.write_text("slow 4")
+        t0, shares = time.monotonic(), []
+        while time.monotonic() - t0 < 30:
+            read_all(mnt, primary)  # the right bytes, every one, through every change
+            balance = stats(mnt)["balance"]
+            shares.append(balance["shares"][1])
+            if balance["shares"][1] < 0.1:
+                break
+        took = time.monotonic() - t0
+        after = stats(mnt)
+        assert after["balance"]["shares"][1] < 0.1, (shares, after["balance"])
+        assert after["balance"]["changes"] >= 1
+        assert after["balance"]["last_change"]["why"].startswith("measured")
+        assert after["replicas"][1]["measured_mb_per_s"] < 20 < after["replicas"][0]["measured_mb_per_s"]
+        assert after["replicas"][1]["weight_share"] == after["balance"]["shares"][1]
+        assert after["fallbacks"] == 0  # slow is not failed: nothing was re-read
+        last = after["balance"]["last_change"]
+        assert last["at"] and (last["shares_before"] == [0.5, 0.5] or after["balance"]["changes"] > 1)
+        assert "measured" in run_colifs("stats", str(mnt)).stdout
+        print(f"\nmirror share {shares} in {took:.1f} s: {after['balance']}")
+
+
+def test_fixed_weights_stay_as_mounted(tmp_path: Path) -> None:
+    primary, source = setup_model(tmp_path)
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--fixed-weights") as mnt,
+    ):
+        control.write_text("slow 8")
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 4:
+            read_all(mnt, primary)
+        after = stats(mnt)
+        assert not after["balance"]["adaptive"] and after["balance"]["changes"] == 0
+        assert after["balance"]["shares"] == [0.5, 0.5]
+        assert after["balance"]["measured_mb_per_s"][1] < 20  # still measured and shown

@@ -84,6 +84,11 @@ def _stats(served: list[int], fallbacks: int, layers: dict, health: dict | None 
         "uptime_s": 10.0,
         "routing": "stripe",
         "weights_source": "given",
+        "balance": {
+            "adaptive": True,
+            "measured_mb_per_s": [912.0, None],
+            "last_change": {"at": None},
+        },
         "replicas": reps,
         "fallbacks": fallbacks,
         "layers_routed_bytes": layers,
@@ -111,4 +116,5 @@ def test_top_frame_shows_rates_shares_health_and_hot_layers() -> None:
     assert rows[3].split()[:5] == ["mirror", "down", "5.0", "1.0", "25.0%"]
     assert "next check in 2.0 s: timeout at 0: no answer within 5 s" in rows[4]
     assert "fallbacks 7 (3.5/s now)" in frame
+    assert rows[0].endswith("weights given, adaptive (measured 912 / ? MB/s, no change yet)")
     assert frame.rstrip().endswith("model.layers.2 4.5 MB/s, model.layers.1 2.5 MB/s")

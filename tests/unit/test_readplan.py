@@ -17,7 +17,17 @@ from hypothesis import strategies as st
 from colifs.catalogue import build_files
 from colifs.health import Health
 from colifs.layout import HEADER, ExpertKey, Layout
-from colifs.readplan import PLAIN, Router, merge, pieces, plan, run_table, usable_weights
+from colifs.readplan import (
+    PLAIN,
+    Router,
+    merge,
+    pieces,
+    plan,
+    route_columns,
+    run_table,
+    table_drive,
+    usable_weights,
+)
 from colifs.replicas import Replica, ServedFile
 from colifs.routing import CHUNK
 from colifs.synth import write_checkpoint, write_gguf
@@ -49,31 +59,36 @@ def served_files(draw: st.DrawFn) -> tuple[ServedFile, list[float]]:
     return f, weights
 
 
-def decode(table: tuple[bytes, bytes, bytes], ncols: int) -> tuple[list[int], list[int], bytes]:
-    starts, keys = array("Q"), array("i")
-    starts.frombytes(table[0])
-    keys.frombytes(table[1])
-    assert len(table[2]) == len(starts) * ncols
-    return list(starts), list(keys), table[2]
+def decode(table: tuple[bytes, bytes, bytes, bytes]) -> tuple[list[int], list[int], list[int], list[int]]:
+    starts, keys, where, rotations = array("Q"), array("i"), array("I"), array("b")
+    for arr, raw in zip((starts, keys, where, rotations), table, strict=True):
+        arr.frombytes(raw)
+    assert len(starts) == len(keys) == len(where) == len(rotations)
+    return list(starts), list(keys), list(where), list(rotations)
 
 
 @settings(max_examples=200, deadline=None)
 @given(served_files(), st.data(), st.booleans())
 def test_every_column_of_a_run_table_routes_each_byte_as_pieces_does(case, data, striping) -> None:
+    """The table holds no weights: with any weights' routes, every byte goes where pieces() sends it."""
     f, weights = case
     key_ids = {k: i for i, k in enumerate(dict.fromkeys(f.layout.keys))}
     ncols = 1 << (len(weights) - 1)
-    starts, keys, drives = decode(run_table(f, weights, striping, key_ids), ncols)
+    starts, keys, where, rotations = decode(run_table(f, striping, key_ids))
     assert starts[0] == 0 and starts == sorted(set(starts))
-    for _ in range(20):
-        off = data.draw(st.integers(0, f.size - 1))
-        seg = bisect.bisect_right(starts, off) - 1
-        for col in range(ncols):
-            usable = {d for d in f.copies if d and (col >> (d - 1)) & 1}
-            _start, _, drive, extent = pieces(f, usable_weights(weights, usable), striping, off, off + 1)[0]
-            assert drives[seg * ncols + col] == drive
-            assert drive == 0 or drive in usable  # never a mirror outside the column's set
-        assert keys[seg] == (-1 if extent == HEADER else key_ids[f.layout.keys[extent]])
+    for w in (weights, data.draw(st.lists(st.floats(0.1, 10), min_size=len(weights), max_size=len(weights)))):
+        columns = route_columns(w)
+        for _ in range(20):
+            off = data.draw(st.integers(0, f.size - 1))
+            seg = bisect.bisect_right(starts, off) - 1
+            for col in range(ncols):
+                usable = {d for d in f.copies if d and (col >> (d - 1)) & 1}
+                _start, _, drive, extent = pieces(f, usable_weights(w, usable), striping, off, off + 1)[0]
+                col_of_file = sum(1 << (d - 1) for d in usable)  # the engine's column: the file's usable set
+                got = table_drive(columns, len(w), col_of_file, keys[seg], where[seg], rotations[seg], off)
+                assert got == drive
+                assert drive == 0 or drive in usable  # never a mirror outside the column's set
+            assert keys[seg] == (-1 if extent == HEADER else key_ids[f.layout.keys[extent]])
 
 
 @settings(max_examples=100, deadline=None)
@@ -94,8 +109,8 @@ def test_pieces_tile_the_range_and_merge_joins_same_drive_neighbours(case, data,
 def test_a_file_without_layout_is_one_primary_segment() -> None:
     f = ServedFile("config.json", 1234)
     assert pieces(f, [1.0, 3.0], True, 10, 99) == [(10, 99, 0, PLAIN)]
-    starts, keys, drives = decode(run_table(f, [1.0, 3.0], True, {}), 2)
-    assert (starts, keys, drives) == ([0], [-1], b"\0\0")
+    assert decode(run_table(f, True, {})) == ([0], [0 - 1], [0], [-1])
+    assert decode(run_table(ServedFile("empty.json", 0), True, {})) == ([], [], [], [])
 
 
 def _served(primary: Path, mirror: Path, weights: list[float]) -> ServedFile:
