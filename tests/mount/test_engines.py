@@ -50,7 +50,7 @@ def test_both_engines_serve_every_byte_from_the_same_drive(big_experts, tmp_path
     primary, all_mirrors = big_experts
     seen = {}
     for engine in ENGINES:
-        flags = ("--weights", weights, "--fixed-weights", "--routing", routing, "--engine", engine, "--no-usage")
+        flags = ("--weights", weights, "--routing", routing, "--engine", engine, "--no-usage")
         with mounted(primary, all_mirrors[:mirrors], tmp_path / "mnt", *flags) as m:
             assert m.stats()["engine"] == engine
             seen[engine] = [
