@@ -82,13 +82,20 @@ def setup_model(tmp_path: Path) -> tuple[Path, Path]:
     return primary, source
 
 
-def test_a_mirror_that_starts_failing_mid_run(tmp_path: Path) -> None:
+@contextmanager
+def through_faultfs(tmp_path: Path, *flags: str) -> Iterator[tuple[Path, Path, Path]]:
+    """The test model mounted with its mirror served by faultfs: (primary, mountpoint, control)."""
     primary, source = setup_model(tmp_path)
     control = tmp_path / "control"
     with (
         faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
+        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", *flags) as mnt,
     ):
+        yield primary, mnt, control
+
+
+def test_a_mirror_that_starts_failing_mid_run(tmp_path: Path) -> None:
+    with through_faultfs(tmp_path) as (primary, mnt, control):
         read_all(mnt, primary)
         first = stats(mnt)
         assert first["fallbacks"] == 0 and first["replicas"][1]["bytes_served"] > 0
@@ -127,12 +134,7 @@ def test_a_mirror_that_starts_failing_mid_run(tmp_path: Path) -> None:
 
 
 def test_a_hung_mirror_read_is_reissued_on_the_primary(tmp_path: Path) -> None:
-    primary, source = setup_model(tmp_path)
-    control = tmp_path / "control"
-    with (
-        faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--mirror-timeout", "0.5") as mnt,
-    ):
+    with through_faultfs(tmp_path, "--mirror-timeout", "0.5") as (primary, mnt, control):
         read_all(mnt, primary)
         control.write_text("hang")
         t0 = time.monotonic()
@@ -159,12 +161,7 @@ def test_a_hung_mirror_read_is_reissued_on_the_primary(tmp_path: Path) -> None:
 def test_a_hung_mirror_open_holds_up_no_read_open_or_close(tmp_path: Path) -> None:
     """The mirror's opens hang: reads fall back after the timeout, and opening and closing the
     same files again never waits for the hung open."""
-    primary, source = setup_model(tmp_path)
-    control = tmp_path / "control"
-    with (
-        faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--mirror-timeout", "0.3") as mnt,
-    ):
+    with through_faultfs(tmp_path, "--mirror-timeout", "0.3") as (primary, mnt, control):
         control.write_text("hang-open")
 
         def passes() -> float:
@@ -191,13 +188,8 @@ def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path:
     """One mirror thread, its reads hung: a read waits on the thread, the next queues behind it,
     both are given up on and the file is closed. When the mirror answers, the late reads run
     and the daemon holds no more descriptors than before."""
-    primary, source = setup_model(tmp_path)
-    control = tmp_path / "control"
     flags = ("--mirror-timeout", "0.3", "--threads-per-drive", "1", "--routing", "expert")
-    with (
-        faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", *flags) as mnt,
-    ):
+    with through_faultfs(tmp_path, *flags) as (primary, mnt, control):
         pid = stats(mnt)["pid"]
         fds0, _ = daemon_fds_and_rss(pid)
         control.write_text("hang")
@@ -403,12 +395,7 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
 def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) -> None:
     """Mounted with equal weights; the mirror slows to 4 MB/s mid-run: within seconds the weights in
     force follow what each drive delivers (no remount), and every byte stays the primary's."""
-    primary, source = setup_model(tmp_path)
-    control = tmp_path / "control"
-    with (
-        faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt") as mnt,
-    ):
+    with through_faultfs(tmp_path) as (primary, mnt, control):
         assert stats(mnt)["balance"]["adaptive"] and stats(mnt)["replicas"][1]["weight_share"] == 0.5
         control.write_text("slow 4")
         t0, shares = time.monotonic(), []
@@ -433,12 +420,7 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) 
 
 
 def test_fixed_weights_stay_as_mounted(tmp_path: Path) -> None:
-    primary, source = setup_model(tmp_path)
-    control = tmp_path / "control"
-    with (
-        faulty_mirror(source, tmp_path / "faulty", control),
-        colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--fixed-weights") as mnt,
-    ):
+    with through_faultfs(tmp_path, "--fixed-weights") as (primary, mnt, control):
         control.write_text("slow 8")
         t0 = time.monotonic()
         while time.monotonic() - t0 < 4:
