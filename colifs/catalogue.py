@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from colifs.formats import format_of
 from colifs.moe import Configs
 from colifs.replicas import Replica, ServedFile, validate
-from colifs.routing import CHUNK, balanced_weights, expected_shares, positions, stripe_rotation
+from colifs.routing import CHUNK, NOT_STRIPED, balanced_weights, expected_shares, positions, stripe_rotation
 from colifs.stage import load_receipt, receipt_vouches
 from colifs.tree import Tree
 from colifs.usage import Usage, key_sizes, traffic
@@ -46,7 +46,7 @@ def _routed(f: ServedFile, where: Mapping, striped: set, vouched: tuple[int, ...
     return dataclasses.replace(
         f,
         positions=tuple(where[k] for k in keys),
-        stripes=tuple(rotation if k in striped else -1 for k in keys),
+        stripes=tuple(rotation if k in striped else NOT_STRIPED for k in keys),
         vouched=vouched,
     )
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 from colifs.health import Health
 from colifs.layout import HEADER, Key
 from colifs.replicas import ServedFile
-from colifs.routing import CHUNK, STRIPE_SLOTS, bounds, fixed, pick, pick_fixed, stripe_sequence
+from colifs.routing import CHUNK, NOT_STRIPED, STRIPE_SLOTS, bounds, fixed, pick, pick_fixed, stripe_sequence
 
 PLAIN = -2  # the extent of a file without a layout: plain bytes, always from the primary
 
@@ -43,8 +43,8 @@ def pieces(f: ServedFile, weights: Sequence[float], striping: bool, off: int, en
         if extent == HEADER:
             out.append((start, stop, 0, HEADER))
             continue
-        rotation = f.stripes[extent] if striping else -1
-        if rotation < 0:
+        rotation = f.stripes[extent] if striping else NOT_STRIPED
+        if rotation == NOT_STRIPED:
             out.append((start, stop, pick(f.positions[extent], weights), extent))
             continue
         if seq is None:
@@ -91,9 +91,6 @@ class Router:
 def usable_weights(weights: Sequence[float], usable: set[int] | frozenset[int]) -> list[float]:
     """The weights with 0 for every replica not in `usable` (the primary always is)."""
     return [w if i == 0 or i in usable else 0.0 for i, w in enumerate(weights)]
-
-
-NOT_STRIPED = -1
 
 
 def run_table(f: ServedFile, striping: bool, key_ids: Mapping[Key, int]) -> tuple[bytes, bytes, bytes, bytes]:

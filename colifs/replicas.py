@@ -45,7 +45,7 @@ class ServedFile:
     replicas whose copy may serve it (0, the primary, always).
 
     `positions` holds the routing position u of each layout extent and `stripes` the file's stripe
-    rotation, or -1 where the extent's key is too small to stripe (see routing.py).
+    rotation, or NOT_STRIPED (-1) where the extent's key is too small to stripe (see routing.py).
     """
 
     relpath: str

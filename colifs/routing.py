@@ -106,6 +106,7 @@ def parse_weights(text: str, count: int) -> list[float]:
 
 CHUNK = 1 << 20  # stripe unit: FUSE's largest request, so an aligned request is never split
 STRIPE_SLOTS = 64  # length of the weighted round-robin sequence (weights resolved to 1/64)
+NOT_STRIPED = -1  # the stripe rotation of a key kept whole on one drive (native/engine.h: the same)
 
 
 def stripe_sequence(weights: Sequence[float], slots: int = STRIPE_SLOTS) -> tuple[int, ...]:
