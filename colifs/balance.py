@@ -1,16 +1,26 @@
 """Adaptive weights: the split follows what each drive delivers now, not what it did at mount.
 
-Each drive's rate is measured as it serves: bytes delivered per second with a read running on it
-(its busy time; both engines count it). Every TICK the engine hands the totals to `Balancer.observe`;
-the rates are smoothed (half-life HALF_LIFE) and the weights move to them once some drive's share is
-DEADBAND away from the share in force, so under steady load they settle and stop moving. Every
-drive keeps at least FLOOR of the weight: it is still read, so still measured, and a drive that
-recovers gets its share back. Weights only move interval boundaries (colifs.routing): each layer's
-experts and each file's stripes split exactly in the weights in force, and a change moves only the
-keys between the old and the new boundaries. Pure but for the clock the caller passes.
+Both engines count, per drive, the bytes it delivered and its busy time (time with a read of ours
+running on it). Every TICK the engine hands the totals to `Balancer.observe`, which looks at them
+over WINDOW-second windows and balances the drives' **utilization** (busy time / window):
 
-Why bytes per busy second: a drive that is slow, throttled or shared delivers fewer bytes for each
-second it works on ours, whatever share it has; a drive waiting for work is not charged for it.
+- one drive busy while another idles (utilizations more than BALANCED apart, in two windows in a
+  row): the busiest drive gives a step of share to the idlest; the step grows while the direction
+  holds and halves when it reverses, so the split closes in on the point where neither waits for
+  the other;
+- every drive busy (all at least SATURATED): each one's rate (bytes per busy second) is what it
+  can deliver, and the shares move halfway to the rates, once some share is DEADBAND off;
+- otherwise (light load, drives equally busy) the split is right as it is.
+
+Why utilization and not the rates alone: a drive that is not kept busy reads much faster per busy
+second than it can sustain (measured: a 150 MB/s throttle at half the traffic it could take showed
+737 MB/s), so rates are trusted only from saturated drives; a busy drive and an idle one always say
+which way to move. After a change the next window starts SETTLE s later (requests routed before it
+drain). Every drive keeps at least FLOOR of the weight, so it is still read, still measured, and
+gets its share back when it recovers. A drive that served nothing in a window (down, or no copy)
+takes no part. Weights only move interval boundaries (colifs.routing): each layer's experts and
+each file's stripes split exactly in the weights in force, and a change moves only the keys
+between the old and the new boundaries. Pure but for the clock the caller passes.
 """
 
 from __future__ import annotations
@@ -24,11 +34,16 @@ import trio
 
 log = logging.getLogger("colifs")
 
-TICK = 0.5  # s between looks at the counters
-HALF_LIFE = 1.5  # s: the rates' smoothing
-MIN_BUSY = 0.02  # s a drive must have been busy for a rate sample (over one tick or more)
-FLOOR = 0.03  # the least share of the weight any drive keeps
-DEADBAND = 0.02  # the weights change once some drive's share is this far from the share in force
+TICK = 0.25  # s between looks at the counters
+WINDOW = 1.0  # s over which utilizations and rates are measured for one decision
+SETTLE = 0.5  # s after a change before the next window starts
+BALANCED = 0.10  # utilizations closer than this: no drive waits for another
+SATURATED = 0.80  # utilization from which a drive's rate is what it can deliver
+STEP, STEP_MIN, STEP_MAX = 0.10, 0.01, 0.25  # share moved per decision while utilizations differ
+HALF_LIFE = 2.0  # s: the smoothing of the rates shown
+MIN_BUSY = 0.02  # s a drive must have been busy in a window for its rate to count
+FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence (colifs.routing)
+DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' are left alone
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
 
 
@@ -53,71 +68,146 @@ def with_floor(target: Sequence[float], floor: float) -> list[float]:
 
 
 @dataclass
+class Window:
+    """What each drive did over one measuring window."""
+
+    seconds: float
+    nbytes: list[int]
+    busy: list[float]
+
+    @property
+    def utilization(self) -> list[float]:
+        return [min(1.0, s / self.seconds) for s in self.busy]
+
+    def rate(self, d: int) -> float | None:
+        return self.nbytes[d] / self.busy[d] if self.busy[d] >= MIN_BUSY and self.nbytes[d] else None
+
+
+@dataclass
 class Balancer:
-    """The weights in force (per replica, plain: before the partial-mirror correction) and the
-    drives' measured rates."""
+    """The weights in force (per replica, plain: before the partial-mirror correction), and what
+    was measured of the drives."""
 
     weights: list[float]
-    half_life: float = HALF_LIFE
     floor: float = FLOOR
-    deadband: float = DEADBAND
-    fixed: bool = False  # --fixed-weights: the rates are measured and shown, the weights stay
-    rates: list[float | None] = field(default_factory=list)  # bytes/s, smoothed; None: not measured
+    fixed: bool = False  # --fixed-weights: the drives are measured and shown, the weights stay
+    rates: list[float | None] = field(default_factory=list)  # bytes per busy second, smoothed
+    utilization: list[float] = field(default_factory=list)  # of the last window
     changes: int = 0
     last_change: dict = field(default_factory=dict)  # at (None: never), why, shares before and after
-    _base: list[tuple[int, float, float]] = field(default_factory=list)  # per drive: last sample's end
+    _start: tuple[list[int], list[float], float] | None = None  # the window's counters at its start
+    _not_before: float = 0.0  # the next window starts then (SETTLE after a change)
+    _step: float = STEP
+    _last_move: tuple[int, int] | None = None  # (from, to) of the last step
+    _asked: tuple[int, int] | None = None  # (from, to) the last window asked for, not taken yet
+    _same: int = 0  # steps in a row in the last step's direction
+    _reversed: bool = False  # a step has reversed the one before it (the best split was crossed)
 
     def __post_init__(self) -> None:
         self.rates = [None] * len(self.weights)
+        self.utilization = [0.0] * len(self.weights)
         now = [round(x, 4) for x in shares(self.weights)]
         # The same shape before the first change as after: stats.json barely grows while serving.
         self.last_change = {"at": None, "why": "as mounted", "shares_before": now, "shares_after": now}
 
     def observe(self, nbytes: Sequence[int], busy: Sequence[float], now: float) -> list[float] | None:
         """Counter totals (bytes delivered, seconds busy, per drive) at monotonic time `now`; the new
-        weights when they change, else None. A drive's sample spans as many ticks as it takes to be
-        busy MIN_BUSY s (a drive with a small share is measured over a longer window)."""
-        if not self._base:
-            self._base = [(b, s, now) for b, s in zip(nbytes, busy, strict=True)]
+        weights when they change, else None."""
+        if now < self._not_before:
             return None
-        for d, (b, s) in enumerate(zip(nbytes, busy, strict=True)):
-            b0, s0, t0 = self._base[d]
-            if s - s0 < MIN_BUSY or b <= b0 or now <= t0:
-                continue
-            self._base[d] = (b, s, now)
-            sample = (b - b0) / (s - s0)
-            old = self.rates[d]
-            keep = 0.5 ** ((now - t0) / self.half_life)
-            self.rates[d] = sample if old is None else keep * old + (1 - keep) * sample
-        return self._decide()
+        if self._start is None or now < self._start[2]:
+            self._start = (list(nbytes), list(busy), now)
+            return None
+        b0, s0, t0 = self._start
+        if now - t0 < WINDOW:
+            return None
+        self._start = (list(nbytes), list(busy), now)
+        w = Window(
+            now - t0,
+            [b - a for a, b in zip(b0, nbytes, strict=True)],
+            [b - a for a, b in zip(s0, busy, strict=True)],
+        )
+        self._measured(w)
+        target = None if self.fixed else self._target(w)
+        if target is None:
+            return None
+        return self._apply(target, now)
 
-    def _decide(self) -> list[float] | None:
-        measured = [d for d, r in enumerate(self.rates) if r is not None]
-        if self.fixed or len(measured) < 2:
+    def _measured(self, w: Window) -> None:
+        self.utilization = w.utilization
+        keep = 0.5 ** (w.seconds / HALF_LIFE)
+        for d in range(len(self.rates)):
+            sample, old = w.rate(d), self.rates[d]
+            if sample is not None:
+                self.rates[d] = sample if old is None else keep * old + (1 - keep) * sample
+
+    def _target(self, w: Window) -> list[float] | None:
+        """The shares the window asks for, or None (nothing to learn, or right as they are)."""
+        now = shares(self.weights)
+        taking = [d for d, b in enumerate(w.nbytes) if b > 0]  # a drive that served nothing: no part
+        if len(taking) < 2:
             return None
-        now_shares = shares(self.weights)
-        # Unmeasured drives keep their share; the measured ones split the rest by their rates.
-        room = sum(now_shares[d] for d in measured)
-        total = sum(self.rates[d] for d in measured)  # type: ignore[misc]
-        target = [
-            room * self.rates[d] / total if d in measured else s  # type: ignore[operator]
-            for d, s in enumerate(now_shares)
-        ]
-        target = with_floor(target, self.floor)
-        if max(abs(t - s) for t, s in zip(target, now_shares, strict=True)) <= self.deadband:
+        u = w.utilization
+        busiest = max(taking, key=lambda d: u[d])
+        idlest = min(taking, key=lambda d: u[d])
+        if u[busiest] - u[idlest] > BALANCED:
+            # Two windows in a row must ask the same: a throttled drive's bursts and debts make
+            # single windows flip between "this one waits" and "that one waits".
+            asked, self._asked = self._asked, (busiest, idlest)
+            return self._step_towards(now, busiest, idlest) if asked == (busiest, idlest) else None
+        self._asked = None
+        return self._towards_rates(w, now, taking)
+
+    def _towards_rates(self, w: Window, now: list[float], taking: list[int]) -> list[float] | None:
+        """Every drive saturated: their rates are what they can deliver; halfway to them."""
+        rates = [w.rate(d) for d in taking]
+        if min(w.utilization[d] for d in taking) < SATURATED or None in rates:
             return None
-        scale = total / 1e6 / room  # weights in MB/s, as the probe gives them
-        new = [t * scale for t in target]
-        self._changed(now_shares, target)
-        self.weights = new
-        return new
+        room = sum(now[d] for d in taking)
+        total = sum(rates)  # type: ignore[arg-type]
+        want = list(now)
+        for d, r in zip(taking, rates, strict=True):
+            want[d] = room * r / total  # type: ignore[operator]
+        want = with_floor(want, self.floor)
+        if max(abs(a - b) for a, b in zip(want, now, strict=True)) <= DEADBAND:
+            return None
+        return [(a + b) / 2 for a, b in zip(want, now, strict=True)]
+
+    def _step_towards(self, now: list[float], busiest: int, idlest: int) -> list[float] | None:
+        if self._last_move == (idlest, busiest):
+            self._step = max(STEP_MIN, self._step / 2)  # overshot: back, by half as much
+            self._same, self._reversed = 0, True
+        elif self._last_move == (busiest, idlest):
+            self._same += 1
+            # Bigger steps while searching, and once three in a row say the best split moved; not
+            # right after an overshoot, where they would swing across it again.
+            if not self._reversed or self._same >= 2:
+                self._step = min(STEP_MAX, self._step * 1.5)
+        self._last_move = (busiest, idlest)
+        move = min(self._step, now[busiest] - self.floor)
+        if move <= 0:
+            return None
+        out = list(now)
+        out[busiest] -= move
+        out[idlest] += move
+        return with_floor(out, self.floor)
+
+    def _apply(self, target: list[float], now: float) -> list[float] | None:
+        before = shares(self.weights)
+        if max(abs(a - b) for a, b in zip(target, before, strict=True)) < 1e-3:
+            return None
+        scale = sum(self.weights)
+        self.weights = [t * scale for t in target]
+        self._start, self._not_before, self._asked = None, now + SETTLE, None
+        self._changed(before, target)
+        return self.weights
 
     def _changed(self, before: Sequence[float], after: Sequence[float]) -> None:
         self.changes += 1
-        mbs = [None if r is None else round(r / 1e6, 1) for r in self.rates]
-        why = "measured MB/s " + ", ".join("?" if m is None else f"{m:g}" for m in mbs)
+        why = "utilization " + ", ".join(f"{100 * u:.0f}%" for u in self.utilization)
+        why += "; measured MB/s " + ", ".join("?" if r is None else f"{r / 1e6:.1f}" for r in self.rates)
         self.last_change = {
-            "at": time.time(),
+            "at": round(time.time(), 1),
             "why": why,
             "shares_before": [round(x, 4) for x in before],
             "shares_after": [round(x, 4) for x in after],
@@ -136,6 +226,7 @@ class Balancer:
             "weights": [round(w, 3) for w in self.weights],
             "shares": [round(s, 4) for s in shares(self.weights)],
             "measured_mb_per_s": [None if r is None else round(r / 1e6, 1) for r in self.rates],
+            "utilization": [round(u, 3) for u in self.utilization],
             "changes": self.changes,
             "last_change": self.last_change,
         }

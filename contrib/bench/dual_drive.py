@@ -392,10 +392,20 @@ def adapt_study(
     a, b = rig.dirs
     warm = 10.0
 
+    def stats() -> dict:
+        return json.loads((mnt / ".colifs" / "stats.json").read_text())
+
     def warmed(key: str, label: str, *extra: str) -> None:
         phase(key + "_warm", label + " (first 10 s)", [mnt], "--seconds", f"{warm:g}", *extra)
+        before = stats()
+        cpu = cpu_seconds(before["pid"])
         phase(key, label, [mnt], *extra)
-        res[key]["balance"] = json.loads((mnt / ".colifs" / "stats.json").read_text())["balance"]
+        after = stats()
+        served = sum(r["bytes_served"] for r in after["replicas"]) - sum(
+            r["bytes_served"] for r in before["replicas"]
+        )
+        res[key]["balance"] = after["balance"]
+        res[key]["cpu_s_per_gb"] = (cpu_seconds(after["pid"]) - cpu) / max(served / 1e9, 1e-9)
 
     phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
     phase(
@@ -424,7 +434,7 @@ def adapt_study(
 def _print_adapt(args: argparse.Namespace, res: dict[str, dict]) -> None:
     print()
     print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; {args.threads} readers, {args.seconds:g} s")
-    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<26} shares / measured MB/s")
+    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<30} {'CPU s/GB':>8}  shares, utilization")
     rows = [
         ("w", "c", "the sum"),
         ("w_1", "c_1", "an ideal 3:1 mirror, 1 reader"),
@@ -439,10 +449,11 @@ def _print_adapt(args: argparse.Namespace, res: dict[str, dict]) -> None:
         got, base = res[key]["gb_per_s"] * 1e3, res[ref]["gb_per_s"] * 1e3
         bal = res[key].get("balance", {})
         shares = " / ".join(f"{x:.0%}" for x in bal.get("shares", []))
-        rates = " / ".join("?" if x is None else f"{x:g}" for x in bal.get("measured_mb_per_s", []))
+        busy = " / ".join(f"{x:.0%}" for x in bal.get("utilization", []))
+        cpu = res[key].get("cpu_s_per_gb", 0.0)
         print(
-            f"{key + ') ' + res[key]['label']:<58} {got:>8.1f} {got / base:>6.2f}  {what:<26}"
-            f" {shares}  {rates}"
+            f"{key + ') ' + res[key]['label']:<58} {got:>8.1f} {got / base:>6.2f}  {what:<30} {cpu:>8.2f}"
+            f"  {shares}, {busy}"
         )
     for key in ("w_warm", "ms_adaptive_warm", "ps_adaptive_warm"):
         print(f"{key + ') ' + res[key]['label']:<58} {res[key]['gb_per_s'] * 1e3:>8.1f}")

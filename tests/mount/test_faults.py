@@ -409,7 +409,7 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) 
         after = stats(mnt)
         assert after["balance"]["shares"][1] < 0.1, (shares, after["balance"])
         assert after["balance"]["changes"] >= 1
-        assert after["balance"]["last_change"]["why"].startswith("measured")
+        assert after["balance"]["last_change"]["why"].startswith("utilization")
         assert after["replicas"][1]["measured_mb_per_s"] < 20 < after["replicas"][0]["measured_mb_per_s"]
         assert after["replicas"][1]["weight_share"] == after["balance"]["shares"][1]
         assert after["fallbacks"] == 0  # slow is not failed: nothing was re-read

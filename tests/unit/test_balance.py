@@ -1,4 +1,4 @@
-"""Adaptive weights as pure state: a simulated pair of drives under saturating load, on a fake clock."""
+"""Adaptive weights as pure state: simulated drives under load, on a fake clock."""
 
 from __future__ import annotations
 
@@ -8,18 +8,22 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colifs.balance import DEADBAND, FLOOR, TICK, Balancer, shares, with_floor
+from colifs.balance import FLOOR, TICK, Balancer, shares, with_floor
 from colifs.layout import ExpertKey
 from colifs.routing import pick, positions
 
 
 class Drives:
-    """Drives of `rates` bytes/s under a load that keeps the busiest one saturated (16 readers): per
-    tick, drive d delivers its share of what the load moves and is busy for as long as that takes."""
+    """Drives of `rates` bytes/s under a load that keeps the drive it waits for saturated (many
+    readers of whole experts): per tick, drive d delivers its share of what the load moves. The
+    drive that limits is busy the whole tick; the others for as long as their bytes take at their
+    rate, or `burst` times faster (a blkio throttle lets a drive under its limit read in bursts:
+    its bytes per busy second overstate what it can sustain)."""
 
-    def __init__(self, rates: list[float], noise: float = 0.0, seed: int = 1) -> None:
+    def __init__(self, rates: list[float], noise: float = 0.0, burst: float = 1.0, seed: int = 1) -> None:
         self.rates = list(rates)
         self.noise = noise
+        self.burst = burst
         self.bytes = [0] * len(rates)
         self.busy = [0.0] * len(rates)
         self.now = 0.0
@@ -27,85 +31,99 @@ class Drives:
 
     def run(self, weights: list[float], dt: float = TICK) -> tuple[list[int], list[float], float]:
         s = shares(weights)
-        moved = min(r / x for r, x in zip(self.rates, s, strict=True) if x > 0) * dt
+        limits = [r / x if x > 0 else float("inf") for r, x in zip(self.rates, s, strict=True)]
+        moved = min(limits) * dt
         for d, (r, x) in enumerate(zip(self.rates, s, strict=True)):
             rate = r * (1 + self.rng.uniform(-self.noise, self.noise))
+            if limits[d] > min(limits) * 1.001:
+                rate *= self.burst
             self.bytes[d] += int(moved * x)
-            self.busy[d] += moved * x / rate
+            self.busy[d] += min(dt, moved * x / rate)
         self.now += dt
         return list(self.bytes), list(self.busy), self.now
 
+    def delivered(self, weights: list[float]) -> float:
+        """Bytes/s the load moves with these weights."""
+        return min(r / x for r, x in zip(self.rates, shares(weights), strict=True) if x > 0)
 
-def settle(b: Balancer, drives: Drives, ticks: int) -> list[list[float]]:
+
+def settle(b: Balancer, drives: Drives, seconds: float) -> list[list[float]]:
     """The shares in force after each tick."""
     out = []
-    for _ in range(ticks):
+    for _ in range(int(seconds / TICK)):
         b.observe(*drives.run(b.weights))
         out.append(shares(b.weights))
     return out
 
 
-def test_wrong_weights_move_to_the_drives_ratio_within_seconds() -> None:
-    b = Balancer([1.0, 1.0])
-    drives = Drives([60e6, 20e6])
-    history = settle(b, drives, int(10 / TICK))
-    first_close = next(i for i, s in enumerate(history) if abs(s[1] - 0.25) < 0.025)
-    assert first_close * TICK <= 5.0, history[:12]
-    assert abs(shares(b.weights)[1] - 0.25) < 0.025
-    assert abs(b.weights[0] / b.weights[1] - 3) < 1e-6 and b.weights == [60.0, 20.0]  # in MB/s
+def test_wrong_weights_reach_the_drives_sum_within_seconds() -> None:
+    for burst in (1.0, 5.0):  # drives as their rates say, and throttled ones that burst when idle
+        b = Balancer([1.0, 1.0])
+        drives = Drives([60e6, 20e6], noise=0.03, burst=burst)
+        history = settle(b, drives, 10)
+        at = [drives.delivered(s) / 80e6 for s in history]
+        assert at[int(8 / TICK)] >= 0.9, (burst, history)  # 0.90 of the sum after 8 s
+        assert abs(shares(b.weights)[1] - 0.25) < 0.03, (burst, history[-1])
 
 
 def test_steady_noisy_load_settles_and_stops_moving() -> None:
-    b = Balancer([3.0, 1.0])
-    drives = Drives([900e6, 300e6], noise=0.08)
-    settle(b, drives, 40)
-    changes = b.changes
-    history = settle(b, drives, 400)  # 200 s more of the same load
-    assert b.changes - changes <= 2, b.changes - changes  # no oscillation between two splits
-    assert all(abs(s[1] - 0.25) <= 0.025 + DEADBAND for s in history)
+    for burst in (1.0, 5.0):
+        b = Balancer([3.0, 1.0])
+        drives = Drives([900e6, 300e6], noise=0.08, burst=burst)
+        settle(b, drives, 20)
+        changes = b.changes
+        history = settle(b, drives, 200)
+        assert b.changes - changes <= 6, (burst, b.changes - changes)  # no oscillation
+        assert all(abs(s[1] - 0.25) <= 0.05 for s in history), burst
 
 
 def test_a_mirror_that_slows_mid_run_and_recovers_gets_its_share_back() -> None:
     b = Balancer([3.0, 1.0])
-    drives = Drives([60e6, 20e6])
-    settle(b, drives, 10)
+    drives = Drives([60e6, 20e6], burst=3.0)
+    settle(b, drives, 5)
     drives.rates[1] = 5e6  # the mirror slows to a quarter
-    settle(b, drives, int(10 / TICK))
-    assert abs(shares(b.weights)[1] - 5 / 65) < 0.02
+    history = settle(b, drives, 20)
+    later = [drives.delivered(s) for s in history[int(10 / TICK) :]]  # from 10 s after, on average:
+    assert sum(later) / len(later) >= 0.9 * 65e6, history  # 0.90 of the new sum
+    assert sum(later) / len(later) >= 60e6  # never below the fast drive alone
     drives.rates[1] = 0.1e6  # nearly stalled: the floor keeps it read, so measured
-    settle(b, drives, int(10 / TICK))
-    assert shares(b.weights)[1] <= FLOOR + DEADBAND
+    settle(b, drives, 15)
+    assert shares(b.weights)[1] == FLOOR
     drives.rates[1] = 60e6  # recovered: as fast as the primary
-    settle(b, drives, int(10 / TICK))
-    assert abs(shares(b.weights)[1] - 0.5) < 0.03
+    settle(b, drives, 15)
+    assert abs(shares(b.weights)[1] - 0.5) < 0.05, shares(b.weights)
 
 
 def test_the_primary_slowing_moves_traffic_to_the_mirror() -> None:
     b = Balancer([3.0, 1.0])
-    drives = Drives([60e6, 20e6])
-    settle(b, drives, 10)
+    drives = Drives([60e6, 20e6], burst=3.0)
+    settle(b, drives, 5)
     drives.rates[0] = 20e6
-    settle(b, drives, int(10 / TICK))
-    assert abs(shares(b.weights)[0] - 0.5) < 0.03
+    history = settle(b, drives, 10)
+    assert drives.delivered(history[-1]) >= 0.9 * 40e6
+    assert abs(shares(b.weights)[0] - 0.5) < 0.05
 
 
-def test_an_idle_or_unmeasured_drive_keeps_its_share() -> None:
+def test_a_drive_that_serves_nothing_takes_no_part() -> None:
+    """A down mirror (or one without copies) is idle because nothing is routed to it: it must not
+    draw weight for it; and without load nothing changes."""
     b = Balancer([2.0, 1.0, 1.0])
-    for t in range(1, 10):  # only the primary and mirror 1 read (mirror 2 is down, say)
-        assert b.observe([t * 10**7, t * 10**6, 0], [t * 0.1, t * 0.1, 0.0], t * TICK) in (None, b.weights)
+    for t in range(1, 40):  # the primary saturated, mirror 1 half busy, mirror 2 down
+        b.observe([t * 10**7, t * 10**6, 0], [t * TICK, t * TICK / 2, 0.0], t * TICK)
     s = shares(b.weights)
-    assert s[2] == 0.25 and abs(s[0] / s[1] - 10) < 1e-6
+    assert s[2] == 0.25 and s[1] > 0.25  # mirror 2 kept its share; the idle mirror 1 got more
     weights = list(b.weights)
-    for t in range(10, 20):  # no load at all: nothing to learn, nothing changes
-        assert b.observe([9 * 10**7, 9 * 10**6, 0], [0.9, 0.9, 0.0], t * TICK) is None
+    for t in range(40, 60):  # no load at all
+        assert b.observe([39 * 10**7, 39 * 10**6, 0], [39 * TICK, 39 * TICK / 2, 0.0], t * TICK) is None
     assert b.weights == weights
 
 
-def test_fixed_weights_never_move_but_the_rates_are_measured() -> None:
+def test_fixed_weights_never_move_but_the_drives_are_measured() -> None:
     b = Balancer([1.0, 1.0], fixed=True)
-    settle(b, Drives([60e6, 20e6]), 20)
+    settle(b, Drives([60e6, 20e6]), 10)
     assert b.weights == [1.0, 1.0] and b.changes == 0
-    assert b.as_dict()["measured_mb_per_s"] == [60.0, 20.0]
+    d = b.as_dict()
+    assert d["measured_mb_per_s"] == [60.0, 20.0] and d["utilization"][1] == 1.0 > d["utilization"][0]
 
 
 def test_every_layer_splits_exactly_in_the_weights_in_force_at_every_step() -> None:
@@ -114,9 +132,9 @@ def test_every_layer_splits_exactly_in_the_weights_in_force_at_every_step() -> N
     keys = [ExpertKey("model.layers", layer, e) for layer in range(4) for e in range(64)]
     where = positions(keys)
     b = Balancer([1.0, 1.0])
-    drives = Drives([60e6, 20e6], noise=0.05)
+    drives = Drives([60e6, 20e6], noise=0.05, burst=3.0)
     before = {k: pick(where[k], b.weights) for k in keys}
-    for _ in range(30):
+    for _ in range(60):
         b.observe(*drives.run(b.weights))
         s = shares(b.weights)
         now = {k: pick(where[k], b.weights) for k in keys}
@@ -126,6 +144,7 @@ def test_every_layer_splits_exactly_in_the_weights_in_force_at_every_step() -> N
         moved = {k for k in keys if now[k] != before[k]}
         assert len({now[k] for k in moved}) <= 1  # all moved one way: only across one boundary
         before = now
+    assert b.changes >= 2
 
 
 @given(st.lists(st.floats(0, 1e6), min_size=2, max_size=8).filter(lambda xs: sum(xs) > 0))
