@@ -36,10 +36,10 @@ log = logging.getLogger("colifs")
 
 TICK = 0.25  # s between looks at the counters
 WINDOW = 1.0  # s over which utilizations and rates are measured for one decision
-SETTLE = 0.5  # s after a change before the next window starts
+SETTLE = 1.0  # s after a change before the next window starts (a throttled drive pays back bursts)
 BALANCED = 0.10  # utilizations closer than this: no drive waits for another
 SATURATED = 0.80  # utilization from which a drive's rate is what it can deliver
-STEP, STEP_MIN, STEP_MAX = 0.10, 0.01, 0.25  # share moved per decision while utilizations differ
+STEP, STEP_MIN, STEP_MAX = 0.10, 0.01, 0.15  # share moved per decision while utilizations differ
 HALF_LIFE = 2.0  # s: the smoothing of the rates shown
 MIN_BUSY = 0.02  # s a drive must have been busy in a window for its rate to count
 FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence (colifs.routing)
@@ -176,13 +176,13 @@ class Balancer:
     def _step_towards(self, now: list[float], busiest: int, idlest: int) -> list[float] | None:
         if self._last_move == (idlest, busiest):
             self._step = max(STEP_MIN, self._step / 2)  # overshot: back, by half as much
-            self._same, self._reversed = 0, True
+            self._reversed, self._same = True, 0
         elif self._last_move == (busiest, idlest):
             self._same += 1
-            # Bigger steps while searching, and once three in a row say the best split moved; not
-            # right after an overshoot, where they would swing across it again.
-            if not self._reversed or self._same >= 2:
+            if not self._reversed:  # searching: bigger steps
                 self._step = min(STEP_MAX, self._step * 1.5)
+            elif self._same >= 2:  # three steps one way since an overshoot: the best split moved on
+                self._step, self._reversed = max(STEP, self._step), False
         self._last_move = (busiest, idlest)
         move = min(self._step, now[busiest] - self.floor)
         if move <= 0:

@@ -90,7 +90,7 @@ def test_a_mirror_that_slows_mid_run_and_recovers_gets_its_share_back() -> None:
     settle(b, drives, 15)
     assert shares(b.weights)[1] == FLOOR
     drives.rates[1] = 60e6  # recovered: as fast as the primary
-    settle(b, drives, 15)
+    settle(b, drives, 20)
     assert abs(shares(b.weights)[1] - 0.5) < 0.05, shares(b.weights)
 
 
