@@ -45,6 +45,8 @@ MIN_BUSY = 0.02  # s a drive must have been busy in a window for its rate to cou
 FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence (colifs.routing)
 DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' are left alone
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
+TOLERANCE = 0.02  # a change after which the mount moves this much less (relative) is undone
+HOLD = 30.0  # s an undone step's direction is not tried again
 
 
 def shares(weights: Sequence[float]) -> list[float]:
@@ -76,6 +78,11 @@ class Window:
     busy: list[float]
 
     @property
+    def throughput(self) -> float:
+        """Bytes/s the mount delivered (all drives)."""
+        return sum(self.nbytes) / self.seconds
+
+    @property
     def utilization(self) -> list[float]:
         return [min(1.0, s / self.seconds) for s in self.busy]
 
@@ -102,6 +109,11 @@ class Balancer:
     _asked: tuple[int, int] | None = None  # (from, to) the last window asked for, not taken yet
     _same: int = 0  # steps in a row in the last step's direction
     _reversed: bool = False  # a step has reversed the one before it (the best split was crossed)
+    _direction: tuple[int, int] | None = None  # (from, to) of the step being decided, if a step
+    # Before the last change: its weights, the throughput of the window that asked for it, and its
+    # direction; judged by the first window after it.
+    _trial: tuple[list[float], float, tuple[int, int] | None] | None = None
+    _held: dict[tuple[int, int], float] = field(default_factory=dict)  # direction -> not before
 
     def __post_init__(self) -> None:
         self.rates = [None] * len(self.weights)
@@ -128,10 +140,35 @@ class Balancer:
             [b - a for a, b in zip(s0, busy, strict=True)],
         )
         self._measured(w)
-        target = None if self.fixed else self._target(w)
+        if self.fixed:
+            return None
+        undone = self._judge_trial(w, now)
+        if undone is not None:
+            return undone
+        target = self._target(w, now)
         if target is None:
             return None
-        return self._apply(target, now)
+        return self._apply(target, now, w)
+
+    def _judge_trial(self, w: Window, now: float) -> list[float] | None:
+        """The first window after a change: kept if the mount moves about as much as before it or
+        more; else undone (the signals misled: drives differ in more than their speed), and that
+        direction is left alone for HOLD s. Returns the weights when undone."""
+        if w.throughput <= 0:  # no load: nothing to judge by yet
+            return None
+        trial, self._trial = self._trial, None
+        if trial is None or w.throughput >= (1 - TOLERANCE) * trial[1]:
+            return None
+        weights, _, direction = trial
+        if direction is not None:
+            self._held[direction] = now + HOLD
+            self._step = max(STEP_MIN, self._step / 2)
+        before = shares(self.weights)
+        self.weights = weights
+        self._start, self._not_before, self._asked, self._last_move = None, now + SETTLE, None, None
+        self._changed(before, shares(weights), f"undone: {w.throughput / 1e6:.0f} MB/s after it, "
+                      f"{trial[1] / 1e6:.0f} before")  # fmt: skip
+        return self.weights
 
     def _measured(self, w: Window) -> None:
         self.utilization = w.utilization
@@ -141,22 +178,24 @@ class Balancer:
             if sample is not None:
                 self.rates[d] = sample if old is None else keep * old + (1 - keep) * sample
 
-    def _target(self, w: Window) -> list[float] | None:
+    def _target(self, w: Window, now: float) -> list[float] | None:
         """The shares the window asks for, or None (nothing to learn, or right as they are)."""
-        now = shares(self.weights)
         taking = [d for d, b in enumerate(w.nbytes) if b > 0]  # a drive that served nothing: no part
         if len(taking) < 2:
             return None
         u = w.utilization
+        self._direction = None
         busiest = max(taking, key=lambda d: u[d])
         idlest = min(taking, key=lambda d: u[d])
         if u[busiest] - u[idlest] > BALANCED:
             # Two windows in a row must ask the same: a throttled drive's bursts and debts make
             # single windows flip between "this one waits" and "that one waits".
             asked, self._asked = self._asked, (busiest, idlest)
-            return self._step_towards(now, busiest, idlest) if asked == (busiest, idlest) else None
+            if asked != (busiest, idlest) or self._held.get((busiest, idlest), 0.0) > now:
+                return None
+            return self._step_towards(shares(self.weights), busiest, idlest)
         self._asked = None
-        return self._towards_rates(w, now, taking)
+        return self._towards_rates(w, shares(self.weights), taking)
 
     def _towards_rates(self, w: Window, now: list[float], taking: list[int]) -> list[float] | None:
         """Every drive saturated: their rates are what they can deliver; halfway to them."""
@@ -183,7 +222,7 @@ class Balancer:
                 self._step = min(STEP_MAX, self._step * 1.5)
             elif self._same >= 2:  # three steps one way since an overshoot: the best split moved on
                 self._step, self._reversed = max(STEP, self._step), False
-        self._last_move = (busiest, idlest)
+        self._last_move = self._direction = (busiest, idlest)
         move = min(self._step, now[busiest] - self.floor)
         if move <= 0:
             return None
@@ -192,20 +231,21 @@ class Balancer:
         out[idlest] += move
         return with_floor(out, self.floor)
 
-    def _apply(self, target: list[float], now: float) -> list[float] | None:
+    def _apply(self, target: list[float], now: float, w: Window) -> list[float] | None:
         before = shares(self.weights)
         if max(abs(a - b) for a, b in zip(target, before, strict=True)) < 1e-3:
             return None
+        self._trial = (list(self.weights), w.throughput, self._direction)
         scale = sum(self.weights)
         self.weights = [t * scale for t in target]
         self._start, self._not_before, self._asked = None, now + SETTLE, None
-        self._changed(before, target)
-        return self.weights
-
-    def _changed(self, before: Sequence[float], after: Sequence[float]) -> None:
-        self.changes += 1
         why = "utilization " + ", ".join(f"{100 * u:.0f}%" for u in self.utilization)
         why += "; measured MB/s " + ", ".join("?" if r is None else f"{r / 1e6:.1f}" for r in self.rates)
+        self._changed(before, target, why)
+        return self.weights
+
+    def _changed(self, before: Sequence[float], after: Sequence[float], why: str) -> None:
+        self.changes += 1
         self.last_change = {
             "at": round(time.time(), 1),
             "why": why,

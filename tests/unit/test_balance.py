@@ -112,10 +112,27 @@ def test_a_drive_that_serves_nothing_takes_no_part() -> None:
         b.observe([t * 10**7, t * 10**6, 0], [t * TICK, t * TICK / 2, 0.0], t * TICK)
     s = shares(b.weights)
     assert s[2] == 0.25 and s[1] > 0.25  # mirror 2 kept its share; the idle mirror 1 got more
+    idle = ([39 * 10**7, 39 * 10**6, 0], [39 * TICK, 39 * TICK / 2, 0.0])
+    for t in range(40, 48):  # the load stops: a step just taken may be undone (it cannot be judged)
+        b.observe(*idle, t * TICK)
     weights = list(b.weights)
-    for t in range(40, 60):  # no load at all
-        assert b.observe([39 * 10**7, 39 * 10**6, 0], [39 * TICK, 39 * TICK / 2, 0.0], t * TICK) is None
+    for t in range(48, 80):  # no load at all: nothing changes
+        assert b.observe(*idle, t * TICK) is None
     assert b.weights == weights
+
+
+def test_a_step_that_lowers_the_throughput_is_undone_and_not_tried_again_soon() -> None:
+    """At the best split, a mirror whose utilization misleads (it shows half as busy as it is, as
+    a drive served by fewer threads can): the step towards it lowers what the mount moves, so it is
+    undone, and its direction is left alone for a while."""
+    b = Balancer([3.0, 1.0])
+    drives = Drives([60e6, 20e6])
+    for _ in range(int(40 / TICK)):
+        nbytes, busy, now = drives.run(b.weights)
+        b.observe(nbytes, [busy[0], busy[1] / 2], now)
+    assert b.last_change["why"].startswith("undone")
+    assert b.changes <= 4  # one step and its undo; at most one more try within 40 s
+    assert abs(shares(b.weights)[1] - 0.25) < 0.01
 
 
 def test_fixed_weights_never_move_but_the_drives_are_measured() -> None:
