@@ -45,8 +45,8 @@ MIN_BUSY = 0.02  # s a drive must have been busy in a window for its rate to cou
 FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence (colifs.routing)
 DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' are left alone
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
-TOLERANCE = 0.02  # a change after which the mount moves this much less (relative) is undone
-HOLD = 30.0  # s an undone step's direction is not tried again
+TOLERANCE = 0.15  # a change after which the mount moves this much less (relative) is undone (noise: less)
+HOLD = 20.0  # s an undone step's direction is not tried again
 
 
 def shares(weights: Sequence[float]) -> list[float]:
@@ -90,6 +90,19 @@ class Window:
         return self.nbytes[d] / self.busy[d] if self.busy[d] >= MIN_BUSY and self.nbytes[d] else None
 
 
+@dataclass(frozen=True)
+class Trial:
+    """A change on trial: the weights before it, what the mount moved before it (bytes/s), the
+    direction of its step (None: a move to the rates), and, for an undo, what the mount moved
+    before the step it undid."""
+
+    weights: list[float]
+    throughput: float
+    direction: tuple[int, int] | None
+    undo: bool = False
+    before_step: float = 0.0
+
+
 @dataclass
 class Balancer:
     """The weights in force (per replica, plain: before the partial-mirror correction), and what
@@ -110,9 +123,7 @@ class Balancer:
     _same: int = 0  # steps in a row in the last step's direction
     _reversed: bool = False  # a step has reversed the one before it (the best split was crossed)
     _direction: tuple[int, int] | None = None  # (from, to) of the step being decided, if a step
-    # Before the last change: its weights, the throughput of the window that asked for it, and its
-    # direction; judged by the first window after it.
-    _trial: tuple[list[float], float, tuple[int, int] | None] | None = None
+    _trial: Trial | None = None  # the last change, until the first window after it judges it
     _held: dict[tuple[int, int], float] = field(default_factory=dict)  # direction -> not before
 
     def __post_init__(self) -> None:
@@ -151,23 +162,31 @@ class Balancer:
         return self._apply(target, now, w)
 
     def _judge_trial(self, w: Window, now: float) -> list[float] | None:
-        """The first window after a change: kept if the mount moves about as much as before it or
-        more; else undone (the signals misled: drives differ in more than their speed), and that
-        direction is left alone for HOLD s. Returns the weights when undone."""
+        """The first window after a change judges it: a step after which the mount moves less than
+        before is undone (the signals misled: drives differ in more than their speed) and its
+        direction left alone for HOLD s; an undo after which the mount moves less still is undone
+        in turn (the drives changed meanwhile: the step was right). Returns the weights when it
+        changes them."""
         if w.throughput <= 0:  # no load: nothing to judge by yet
             return None
         trial, self._trial = self._trial, None
-        if trial is None or w.throughput >= (1 - TOLERANCE) * trial[1]:
+        if trial is not None and trial.undo and w.throughput < 0.5 * trial.before_step:
+            self._held.pop(trial.direction, None)  # type: ignore[arg-type]
+            return None  # less than half of before the step, either way: the drives changed
+        if trial is None or w.throughput >= (1 - TOLERANCE) * trial.throughput:
             return None
-        weights, _, direction = trial
-        if direction is not None:
-            self._held[direction] = now + HOLD
+        if trial.undo:
+            self._held.pop(trial.direction, None)  # type: ignore[arg-type]
+        elif trial.direction is not None:
+            self._held[trial.direction] = now + HOLD
             self._step = max(STEP_MIN, self._step / 2)
+            self._trial = Trial(list(self.weights), w.throughput, trial.direction, True, trial.throughput)
         before = shares(self.weights)
-        self.weights = weights
+        self.weights = trial.weights
         self._start, self._not_before, self._asked, self._last_move = None, now + SETTLE, None, None
-        self._changed(before, shares(weights), f"undone: {w.throughput / 1e6:.0f} MB/s after it, "
-                      f"{trial[1] / 1e6:.0f} before")  # fmt: skip
+        what = "redone" if trial.undo else "undone"
+        self._changed(before, shares(self.weights), f"{what}: {w.throughput / 1e6:.0f} MB/s after it, "
+                      f"{trial.throughput / 1e6:.0f} before")  # fmt: skip
         return self.weights
 
     def _measured(self, w: Window) -> None:
@@ -235,7 +254,7 @@ class Balancer:
         before = shares(self.weights)
         if max(abs(a - b) for a, b in zip(target, before, strict=True)) < 1e-3:
             return None
-        self._trial = (list(self.weights), w.throughput, self._direction)
+        self._trial = Trial(list(self.weights), w.throughput, self._direction)
         scale = sum(self.weights)
         self.weights = [t * scale for t in target]
         self._start, self._not_before, self._asked = None, now + SETTLE, None

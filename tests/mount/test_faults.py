@@ -407,7 +407,11 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) 
                 break
         took = time.monotonic() - t0
         after = stats(mnt)
-        assert after["balance"]["shares"][1] < 0.1, (shares, after["balance"])
+        assert after["balance"]["shares"][1] < 0.1, (
+            shares,
+            after["balance"]["last_change"],
+            after["balance"]["utilization"],
+        )
         assert after["balance"]["changes"] >= 1
         assert after["balance"]["last_change"]["why"].startswith("utilization")
         assert after["replicas"][1]["measured_mb_per_s"] < 20 < after["replicas"][0]["measured_mb_per_s"]
