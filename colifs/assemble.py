@@ -92,7 +92,7 @@ def assemble(
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
     router = Router(routing.weights, cfg.routing == "stripe", health)
     info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
-    balancer = Balancer([r.weight for r in routing.replicas], fixed=cfg.fixed_weights)
+    balancer = Balancer([r.weight for r in routing.replicas], fixed=not cfg.adaptive_weights)
     parts = _Parts(
         cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings()
     )

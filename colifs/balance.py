@@ -110,7 +110,7 @@ class Balancer:
 
     weights: list[float]
     floor: float = FLOOR
-    fixed: bool = False  # --fixed-weights: the drives are measured and shown, the weights stay
+    fixed: bool = False  # without --adaptive-weights: the drives are measured and shown, weights stay
     rates: list[float | None] = field(default_factory=list)  # bytes per busy second, smoothed
     utilization: list[float] = field(default_factory=list)  # of the last window
     changes: int = 0

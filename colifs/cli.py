@@ -45,9 +45,10 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--no-probe", action="store_true", help="without weights, use equal weights, no probe")
     m.add_argument(
-        "--fixed-weights",
+        "--adaptive-weights",
         action="store_true",
-        help="keep the weights of the mount for good (default: they follow what each drive delivers now)",
+        help="let the weights follow what each drive delivers now (experimental; default: they stay as "
+        "mounted)",
     )
     m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     m.add_argument(

@@ -30,7 +30,7 @@ class MountConfig:
     weights: list[float] | None = None  # None: probed (or equal when probe_seconds is 0)
     weights_source: str = "probed"
     probe_seconds: float = 2.0
-    fixed_weights: bool = False  # True: the weights stay as mounted (else colifs.balance moves them)
+    adaptive_weights: bool = False  # colifs.balance moves the weights while serving (else they stay)
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
@@ -77,7 +77,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         weights,
         source,
         probe_seconds=0.0 if args.no_probe else args.probe_seconds,
-        fixed_weights=args.fixed_weights,
+        adaptive_weights=args.adaptive_weights,
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
         routing=args.routing,

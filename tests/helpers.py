@@ -121,11 +121,11 @@ def mounted(
     """Mount with the real CLI (or `colifs`, a command that runs it); unmount (and check every
     mirror unchanged) whatever happens. The daemon logs to a file (its own --log-file, if given).
 
-    The suite's replicas are directories on one disk, whose measured rates are noise: the weights
-    stay as given (--fixed-weights) unless the test is about adapting them (`adaptive`)."""
+    `adaptive`: with --adaptive-weights (the suite's replicas are directories on one disk, whose
+    measured rates are noise: only the tests about adapting them ask for it)."""
     before = {m: snapshot(m) for m in mirrors}
-    if not adaptive and mirrors:
-        extra = (*extra, "--fixed-weights")
+    if adaptive:
+        extra = (*extra, "--adaptive-weights")
     mnt.mkdir(exist_ok=True)
     if "--log-file" in extra:
         log = extra[extra.index("--log-file") + 1]

@@ -387,7 +387,7 @@ def adapt_study(
     """Adaptive weights: wrong weights, then the mirror slowed to a quarter and (separately) the
     primary to a third while mounted. Each colifs phase runs after WARM s of the same load on the
     same mount (what the weights had to follow), beside the drives read directly at the same
-    throttles and the same mount with --fixed-weights (the behaviour before adaptive weights)."""
+    throttles and the same mount without --adaptive-weights (fixed weights, the default)."""
     f, s = args.fast, args.slow
     a, b = rig.dirs
     warm = 10.0
@@ -411,15 +411,15 @@ def adapt_study(
     phase(
         "c_1", "both directly, ideal split, 1 reader", [a, b], "--weights", f"{f:g},{s:g}", "--threads", "1"
     )
-    with colifs_mount([a, b], mnt, "--weights", "1,1"):
+    with colifs_mount([a, b], mnt, "--weights", "1,1", "--adaptive-weights"):
         warmed("w", "colifs, --weights 1,1")
-    with colifs_mount([a, b], mnt, "--weights", "1,1"):
+    with colifs_mount([a, b], mnt, "--weights", "1,1", "--adaptive-weights"):
         warmed("w_1", "colifs, --weights 1,1, 1 reader", "--threads", "1")
     for key, fast, slow, what in (
         ("ms", f, s / 4, "mirror slowed to a quarter"),
         ("ps", f / 3, s, "primary to a third"),
     ):
-        for flag, tag in (("--fixed-weights", "fixed"), ("", "adaptive")):
+        for flag, tag in (("", "fixed"), ("--adaptive-weights", "adaptive")):
             rig.throttle(f, s)
             with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *([flag] if flag else [])):
                 phase(f"{key}_{tag}_before", f"colifs {tag}, {f:g}+{s:g}", [mnt], "--seconds", "5")

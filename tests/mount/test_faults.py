@@ -395,7 +395,7 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
 def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) -> None:
     """Mounted with equal weights; the mirror slows to 4 MB/s mid-run: within seconds the weights in
     force follow what each drive delivers (no remount), and every byte stays the primary's."""
-    with through_faultfs(tmp_path) as (primary, mnt, control):
+    with through_faultfs(tmp_path, "--adaptive-weights") as (primary, mnt, control):
         assert stats(mnt)["balance"]["adaptive"] and stats(mnt)["replicas"][1]["weight_share"] == 0.5
         control.write_text("slow 4")
         t0, shares = time.monotonic(), []
@@ -423,8 +423,8 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path) 
         print(f"\nmirror share {shares} in {took:.1f} s: {after['balance']}")
 
 
-def test_fixed_weights_stay_as_mounted(tmp_path: Path) -> None:
-    with through_faultfs(tmp_path, "--fixed-weights") as (primary, mnt, control):
+def test_without_adaptive_weights_they_stay_as_mounted(tmp_path: Path) -> None:
+    with through_faultfs(tmp_path) as (primary, mnt, control):
         control.write_text("slow 8")
         t0 = time.monotonic()
         while time.monotonic() - t0 < 4:
