@@ -47,6 +47,8 @@ DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' a
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
 TOLERANCE = 0.15  # a change after which the mount moves this much less (relative) is undone (noise: less)
 HOLD = 20.0  # s an undone step's direction is not tried again
+IDLE = 0.25  # a step towards a drive busy less than this is not on trial: it has room, whatever
+# the threads say (the judging window is too noisy then: a slow drive's few reads per window)
 
 
 def shares(weights: Sequence[float]) -> list[float]:
@@ -254,7 +256,9 @@ class Balancer:
         before = shares(self.weights)
         if max(abs(a - b) for a, b in zip(target, before, strict=True)) < 1e-3:
             return None
-        self._trial = Trial(list(self.weights), w.throughput, self._direction)
+        towards = None if self._direction is None else self._direction[1]
+        on_trial = towards is None or self.utilization[towards] >= IDLE
+        self._trial = Trial(list(self.weights), w.throughput, self._direction) if on_trial else None
         scale = sum(self.weights)
         self.weights = [t * scale for t in target]
         self._start, self._not_before, self._asked = None, now + SETTLE, None
