@@ -59,7 +59,7 @@ setup(
     ext_modules=[
         Extension(
             "colifs._native",
-            sources=["native/module.c", "native/fs.c", "native/drives.c", "native/prefetch.c"],
+            sources=["native/module.c", "native/fs.c", "native/drives.c", "native/stretch.c", "native/prefetch.c"],
             depends=["native/engine.h"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit"],
         )

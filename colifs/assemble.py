@@ -227,6 +227,7 @@ class _Parts:
             drive_threads=cfg.threads_per_drive,
             mirror_timeout=cfg.mirror_timeout,
             prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
+            extent_buffer_mib=cfg.extent_buffer_mib,
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from colifs import __version__
-from colifs.config import ENGINE_ENV, ENGINES, WEIGHTS_ENV
+from colifs.config import DEFAULT_EXTENT_BUFFER_MIB, ENGINE_ENV, ENGINES, WEIGHTS_ENV
 from colifs.errors import QuietError, UsageError
 
 
@@ -91,6 +91,16 @@ def parser() -> argparse.ArgumentParser:
         "reads the rest of it too, from all drives at once, into the page cache (native engine; at "
         "most 64 MiB, never past the extent's ends; measured slower than off with llama.cpp); "
         "off (default): the kernel's readahead only",
+    )
+    m.add_argument(
+        "--extent-buffer-mib",
+        type=int,
+        default=DEFAULT_EXTENT_BUFFER_MIB,
+        metavar="MIB",
+        help="native engine: a page-cache reader's (mmap, buffered) first request into a routed "
+        "expert's extent reads the rest of it (up to 16 MiB) from all drives at once into a buffer "
+        "of this size, which answers the kernel's next requests there "
+        f"(default: {DEFAULT_EXTENT_BUFFER_MIB}; 0 = off)",
     )
     m.add_argument(
         "--engine",

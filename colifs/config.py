@@ -20,6 +20,9 @@ ENGINES = ("native", "pyfuse3")
 # an expert's end; a pyfuse3 request costs ~20 µs of Python, so there fewer, bigger ones win.
 DEFAULT_READ_AHEAD_KB = {"native": 128, "pyfuse3": 512}
 DEFAULT_MAX_BACKGROUND = 256
+# The whole-extent buffer (native/stretch.c): room for a few stretches of up to 16 MiB each.
+DEFAULT_EXTENT_BUFFER_MIB = 64
+MAX_EXTENT_BUFFER_MIB = 65536  # unit numbers are 32-bit; past this it is a typo, not a buffer
 
 
 @dataclass
@@ -35,6 +38,7 @@ class MountConfig:
     backing_io: str = "direct"  # or "buffered"
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
     prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
+    extent_buffer_mib: int = DEFAULT_EXTENT_BUFFER_MIB  # native engine: whole-extent reads (0: off)
     engine: str = "native"  # or "pyfuse3": the portable reference engine
     fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
     knobs: Knobs = field(
@@ -82,6 +86,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         backing_io=args.backing_io,
         routing=args.routing,
         prefetch=args.prefetch,
+        extent_buffer_mib=args.extent_buffer_mib,
         engine=args.engine,
         fuse_threads=args.fuse_threads,
         knobs=Knobs(
@@ -108,6 +113,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for value in (args.readahead_kb, args.max_background):
         if value is not None and value < 0:
             raise UsageError("--readahead-kb and --max-background must be 0 or more")
+    if not 0 <= args.extent_buffer_mib <= MAX_EXTENT_BUFFER_MIB:
+        raise UsageError(f"--extent-buffer-mib must be 0 to {MAX_EXTENT_BUFFER_MIB} (MiB)")
 
 
 def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:

@@ -54,6 +54,17 @@ def memory_available() -> float | None:
         return None
 
 
+# native/engine.h counters_t.stretch, in order.
+EXTENT_BUFFER = (
+    "stretches_read",
+    "bytes_read",
+    "requests_answered",
+    "requests_that_waited",
+    "bytes_answered",
+    "bytes_held",
+    "stretches_not_started_buffer_full",
+)
+
 _KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
 
 
@@ -62,8 +73,8 @@ class NativeCounters:
 
     Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
     flight), mirror successes, busy time (ns with a read running); fallbacks; prefetch (bytes stored
-    ahead, prefetches, bytes asked again soon after); per key and drive routed bytes; per key reads;
-    per file bytes, reads.
+    ahead, prefetches, bytes asked again soon after); the extent buffer (EXTENT_BUFFER's fields);
+    per key and drive routed bytes; per key reads; per file bytes, reads.
     """
 
     def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
@@ -71,7 +82,7 @@ class NativeCounters:
         self.keys = list(keys)
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 6 + [1, 3, nk * nrep, nk, nf, nf]
+        sizes = [nrep] * 6 + [1, 3, len(EXTENT_BUFFER), nk * nrep, nk, nf, nf]
         self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
@@ -79,7 +90,7 @@ class NativeCounters:
             views.append(words[at : at + n])
             at += n
         (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._busy_ns,
-         self._fallbacks, self._prefetch, self._key_bytes, self._key_reads, self._file_bytes,
+         self._fallbacks, self._prefetch, self._stretch, self._key_bytes, self._key_reads, self._file_bytes,
          self._file_reads) = views  # fmt: skip
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
         self._taken_keys = [0] * (2 * nk)
@@ -111,6 +122,10 @@ class NativeCounters:
     def prefetch(self) -> dict[str, int]:
         stored, count, again = self._prefetch.tolist()
         return {"bytes_stored_ahead": stored, "prefetches": count, "bytes_asked_again_soon_after": again}
+
+    @property
+    def extent_buffer(self) -> dict[str, int]:
+        return dict(zip(EXTENT_BUFFER, self._stretch.tolist(), strict=True))
 
     @property
     def layers(self) -> dict[str, list[int]]:
@@ -187,6 +202,7 @@ class NativeEngine:
         drive_threads: int,
         mirror_timeout: float | None,
         prefetch_max: int = 0,
+        extent_buffer_mib: int = 0,
     ) -> None:
         self.replicas: list[Replica] = ns.replicas
         if len(self.replicas) > MAX_REPLICAS:
@@ -200,7 +216,7 @@ class NativeEngine:
         self.striping = router.striping
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
-        self.prefetching = prefetch_max > 0
+        self.minds_memory = prefetch_max > 0 or extent_buffer_mib > 0
         self._prefetch_paused = False
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
@@ -230,6 +246,7 @@ class NativeEngine:
             routes=route_columns(router.weights),
             prefetch_max=prefetch_max,
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
+            stretch_units=extent_buffer_mib,
         )
 
     # -- tables ------------------------------------------------------------------------------
@@ -351,20 +368,21 @@ class NativeEngine:
         while True:
             for d in self.mirrors.due():
                 await self.mirrors.check(d, self._check_read)
-            if self.prefetching:
+            if self.minds_memory:
                 self._mind_memory()
             await trio.sleep(WATCH_TICK)
 
     def _mind_memory(self) -> None:
-        """Prefetched pages are page cache like any other, but nobody asked for them yet: none while
-        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK)."""
+        """Prefetched pages and the extent buffer hold what nobody asked for yet: neither while
+        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK), and the buffer's
+        unused memory goes back to the system."""
         share = memory_available()
         if share is None or prefetch_paused(self._prefetch_paused, share) == self._prefetch_paused:
             return
         self._prefetch_paused = not self._prefetch_paused
-        self.engine.set_prefetch(not self._prefetch_paused)
+        self.engine.set_memory_short(self._prefetch_paused)
         state = "paused" if self._prefetch_paused else "resumed"
-        log.warning("prefetch %s: %.0f%% of the memory is available", state, 100 * share)
+        log.warning("prefetch and extent buffer %s: %.0f%% of the memory is available", state, 100 * share)
 
     async def _check_read(self, drive: int, f: ServedFile | None, offset: int) -> None:
         root = self.replicas[drive].root

@@ -36,6 +36,9 @@ class DriveCounters(Protocol):
     @property
     def prefetch(self) -> dict[str, int]: ...
 
+    @property
+    def extent_buffer(self) -> dict[str, int]: ...
+
     def failed(self, drive: int) -> None: ...
 
 
@@ -50,6 +53,7 @@ class Counters:
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
         self.prefetch: dict[str, int] = {}  # the pyfuse3 engine does not prefetch
+        self.extent_buffer: dict[str, int] = {}  # nor buffer whole extents
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -169,6 +173,7 @@ class Stats:
             "routing": self.info.routing,
             "engine": self.info.engine,
             "prefetch": self.counters.prefetch,
+            "extent_buffer": self.counters.extent_buffer,
             "kernel": self._kernel(),
             "probe": list(self.info.probe),
             "balance": balance,

@@ -15,11 +15,6 @@
 #include <time.h>
 #include <unistd.h>
 
-typedef struct {
-    uint64_t start, end;
-    int drive;
-} run_t;
-
 typedef struct pending pending_t;
 
 typedef struct job {
@@ -35,13 +30,15 @@ typedef struct job {
     struct job *next;
 } job_t;
 
-/* One request's mirror jobs. Freed by whoever drops the last reference: the request, or, when
- * the request gave up waiting (timeout), the last job to finish (with the buffer it writes to). */
+/* One reading's mirror jobs. Freed by whoever drops the last reference: the reading, or, when it
+ * gave up waiting (timeout), the last job to finish, which then calls `release` (the memory the
+ * late jobs wrote into is free to go). */
 struct pending {
     pthread_mutex_t m;
     pthread_cond_t c;
     int left, refs, abandoned;
-    char *buf;
+    void (*release)(void *arg);
+    void *arg;
     job_t jobs[];
 };
 
@@ -223,7 +220,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
     return fd;
 }
 
-static uint64_t mono_ns(void) {
+uint64_t mono_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
@@ -271,8 +268,8 @@ static void run_job(engine_t *e, job_t *j) {
 static void pending_unref_locked(pending_t *p, int *last) { *last = --p->refs == 0; }
 
 static void pending_free(pending_t *p) {
-    if (p->abandoned)
-        free(p->buf);
+    if (p->abandoned && p->release)
+        p->release(p->arg);
     pthread_mutex_destroy(&p->m);
     pthread_cond_destroy(&p->c);
     free(p);
@@ -349,7 +346,8 @@ int drives_start(engine_t *e) {
 }
 
 /* Stop the drive threads once their queues are empty. A thread stuck in a read on a hung drive is
- * detached instead of waited for: it must not hang the unmount (it owns nothing shared). */
+ * detached instead of waited for: it must not hang the unmount (what it reads into stays allocated:
+ * a request buffer or stretch units, see stretch_free). */
 void drives_stop(engine_t *e) {
     prefetch_stop(e);
     struct timespec deadline;
@@ -395,7 +393,7 @@ uint32_t segment_at(const file_t *f, uint64_t off) {
 }
 
 typedef struct {
-    run_t *runs;
+    piece_t *runs;
     size_t n;
     int started;
     uint64_t bound;
@@ -409,7 +407,7 @@ static void snap_emit(snapper_t *s, uint64_t a, uint64_t b, int d) {
         s->runs[s->n - 1].end = b;
         return;
     }
-    s->runs[s->n++] = (run_t){a, b, d};
+    s->runs[s->n++] = (piece_t){.start = a, .end = b, .drive = d};
 }
 
 /* A run of drive d starts at s: run boundaries move to the nearest BLOCK multiple (every copy holds
@@ -469,13 +467,14 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
     return 0;
 }
 
-/* Cut [start, end) into runs (their last one ending at stop) and count what [off, end) asked of
- * each key. Returns the number of runs. */
-static size_t plan(engine_t *e, file_t *f, uint32_t col, uint64_t start, uint64_t end, uint64_t stop,
-                   uint64_t off, run_t *runs) {
+/* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable
+ * drives (or all on the primary), their last run ending at stop, and count what [off, end) asked
+ * of each key. Returns the number of runs: at most runs_bound(). */
+size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
+                 int primary_only, piece_t *runs) {
     snapper_t s = {runs, 0, 0, 0, 0};
     routes_now_t r;
-    routes_now(e, col, &r);
+    routes_now(e, primary_only ? 0 : (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1), &r);
     uint32_t i = segment_at(f, start);
     uint64_t pos = start;
     int have = 0, drive = 0;
@@ -547,15 +546,14 @@ int set_routes(engine_t *e, const uint8_t *data, size_t len) {
     return 0;
 }
 
+
+size_t runs_bound(const file_t *f, uint64_t start, uint64_t end) {
+    uint64_t blocks = (end - start) / BLOCK + 2;
+    uint64_t changes = (uint64_t)(segment_at(f, end - 1) - segment_at(f, start)) + (end - start) / CHUNK + 3;
+    return (size_t)(changes < blocks ? changes : blocks);
+}
+
 /* -- reading ---------------------------------------------------------------------------------- */
-
-enum { RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT };
-
-typedef struct {
-    ssize_t got;
-    int status;
-    char what[200];
-} result_t;
 
 static uint64_t overlap(uint64_t s, uint64_t e, uint64_t off, uint64_t end) {
     uint64_t a = s > off ? s : off, b = e < end ? e : end;
@@ -593,7 +591,7 @@ static void mono_init(void) {
     pthread_condattr_setclock(&mono_attr, CLOCK_MONOTONIC);
 }
 
-static pending_t *pending_new(size_t njobs, char *buf) {
+static pending_t *pending_new(size_t njobs) {
     pending_t *p = calloc(1, sizeof(pending_t) + njobs * sizeof(job_t));
     if (!p)
         return NULL;
@@ -602,49 +600,214 @@ static pending_t *pending_new(size_t njobs, char *buf) {
     pthread_cond_init(&p->c, &mono_attr);
     p->left = (int)njobs;
     p->refs = (int)njobs + 1;
-    p->buf = buf;
     return p;
 }
 
-/* Gave up waiting: the buffer the late reads write into goes with them; the finished runs' bytes
- * are copied to a fresh one. Called with p->m held; releases it. */
-static char *abandon(pending_t *p, char *buf, size_t len, const run_t *runs, result_t *res, size_t n,
-                     uint64_t start) {
-    char *fresh = aligned(len);
-    if (fresh) {
-        for (size_t r = 0; r < n; r++)
-            if (res[r].status == RES_OK && res[r].got > 0)
-                memcpy(fresh + (runs[r].start - start), buf + (runs[r].start - start), (size_t)res[r].got);
+/* One note per kind and drive: a reading counts once against a drive's health however many of its
+ * pieces failed there (a stretch has up to 16 on one drive). */
+static void note(notes_t *nt, int kind, int drive, int timed_out, const char *what) {
+    for (size_t i = 0; i < nt->n; i++)
+        if (nt->v[i].kind == kind && nt->v[i].drive == drive)
+            return;
+    if (nt->n == MAX_NOTES)
+        return;
+    nt->v[nt->n].kind = kind;
+    nt->v[nt->n].drive = drive;
+    nt->v[nt->n].timed_out = timed_out;
+    snprintf(nt->v[nt->n].what, sizeof nt->v[nt->n].what, "%s", what);
+    nt->n++;
+}
+
+/* A piece that holds its bytes: counted as served by its drive (within the counted range). */
+static void landed(engine_t *e, const reading_t *how, piece_t *pc, size_t i) {
+    uint64_t upto = pc[i].start + (uint64_t)pc[i].got;
+    atomic_fetch_add(&e->ctr.drive_bytes[pc[i].drive], overlap(pc[i].start, upto, how->count_from, how->count_to));
+    atomic_fetch_add(&e->ctr.drive_reads[pc[i].drive], 1);
+    if (pc[i].drive)
+        atomic_fetch_add(&e->ctr.drive_ok[pc[i].drive], 1);
+    if (how->ready)
+        how->ready(how->arg, i);
+}
+
+/* A piece read from the primary, inline on the caller's thread (drive 0 from now on). */
+static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, size_t i) {
+    pc[i].drive = 0;
+    atomic_fetch_add(&e->ctr.drive_busy[0], 1);
+    drive_active(e, 0, 1);
+    pc[i].got = pread_full(atomic_load(&f->fd[0]), pc[i].dst, pc[i].end - pc[i].start, pc[i].start, f->direct[0]);
+    pc[i].err = pc[i].got < 0 ? errno : 0;
+    drive_active(e, 0, -1);
+    atomic_fetch_sub(&e->ctr.drive_busy[0], 1);
+    pc[i].status = pc[i].err ? RES_FAILED : RES_OK;
+    if (!pc[i].err)
+        landed(e, how, pc, i);
+}
+
+/* A finished mirror job's verdict on its piece (called with the pending's lock held). */
+static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
+    const char *what = jb->what;
+    char msg[200];
+    uint64_t want = (pc->end < jb->f->size ? pc->end : jb->f->size) - pc->start;
+    if (!jb->done) {
+        pc->status = RES_TIMEOUT;
+        snprintf(msg, sizeof msg, "timeout at %llu: no answer within %g s", (unsigned long long)jb->off,
+                 e->mirror_timeout);
+        what = msg;
+    } else if (jb->changed) {
+        pc->status = RES_CHANGED;
+    } else if (jb->got < 0) {
+        pc->status = RES_FAILED;
+    } else if ((uint64_t)jb->got < want) {
+        pc->status = RES_FAILED;
+        snprintf(msg, sizeof msg, "short read at %llu: %lld of %llu bytes", (unsigned long long)jb->off,
+                 (long long)jb->got, (unsigned long long)want);
+        what = msg;
+    } else {
+        pc->status = RES_OK;
+        pc->got = jb->got;
+        return;
     }
-    lose_thread_buffer(buf);
-    p->abandoned = 1;
-    p->buf = buf;
+    note(nt, pc->status == RES_CHANGED ? EV_MIRROR_CHANGED : EV_MIRROR_FAILED, jb->drive,
+         pc->status == RES_TIMEOUT, what);
+}
+
+/* The mirror pieces, on their drives' threads, while the caller reads the primary's. When some
+ * time out, how->abandon moves the pieces' bytes away from the memory the late jobs write into
+ * (before any of them can finish) and names what how->release frees once they all have. Returns
+ * 0, or ENOMEM when the bytes could not be moved (the pieces' memory is then the late jobs'). */
+static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt) {
+    size_t nm = 0;
+    for (size_t i = 0; i < n; i++)
+        nm += pc[i].drive != 0;
+    pending_t *p = nm ? pending_new(nm) : NULL;
+    if (nm && !p) { /* no memory for the jobs: the primary reads it all */
+        for (size_t i = 0; i < n; i++)
+            pc[i].drive = 0;
+    }
+    if (p) {
+        size_t j = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (!pc[i].drive)
+                continue;
+            job_t *jb = &p->jobs[j++];
+            *jb = (job_t){.p = p, .f = f, .drive = pc[i].drive, .run = (int)i, .dst = pc[i].dst,
+                          .off = pc[i].start, .len = pc[i].end - pc[i].start};
+            submit(e, jb);
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        if (!pc[i].drive)
+            read_primary(e, f, pc, how, i);
+    if (!p)
+        return 0;
+    int err = 0;
+    int timed_out = wait_jobs(e, p); /* returns with p->m held */
+    for (size_t j = 0; j < nm; j++)
+        judge(e, &p->jobs[j], &pc[p->jobs[j].run], nt);
+    if (timed_out) { /* still under p->m: no late job has finished since */
+        p->abandoned = 1;
+        p->release = how->release;
+        err = how->abandon(how->arg, pc, n, &p->arg);
+    }
     int last;
     pending_unref_locked(p, &last);
     pthread_mutex_unlock(&p->m);
     if (last)
         pending_free(p);
-    return fresh;
+    return err;
+}
+
+/* Every mirror piece that failed (and, with `timeouts`, every one that timed out) is counted
+ * against its drive and re-read from the primary in place. 0, or the primary's errno. */
+static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, int timeouts) {
+    int err = 0;
+    for (size_t i = 0; i < n; i++) {
+        int d = pc[i].drive;
+        if (!d || pc[i].status == RES_OK || (pc[i].status == RES_TIMEOUT && !timeouts))
+            continue;
+        atomic_fetch_add(&e->ctr.drive_errors[d], 1);
+        atomic_fetch_add(e->ctr.fallbacks, 1);
+        if (pc[i].status == RES_CHANGED)
+            atomic_fetch_or(&f->dropped, 1u << d);
+        read_primary(e, f, pc, how, i);
+        if (pc[i].err)
+            err = pc[i].err;
+    }
+    return err;
+}
+
+/* The primary failed a piece: noted once (its errno goes to the caller). */
+static void note_primary(engine_t *e, piece_t *pc, size_t n, notes_t *nt) {
+    for (size_t i = 0; i < n; i++) {
+        if (pc[i].drive == 0 && pc[i].status == RES_FAILED) {
+            char what[200];
+            snprintf(what, sizeof what, "read error at %llu: %s", (unsigned long long)pc[i].start,
+                     strerror(pc[i].err));
+            note(nt, EV_PRIMARY_FAILED, 0, 0, what);
+            atomic_fetch_add(&e->ctr.drive_errors[0], 1);
+            return;
+        }
+    }
+}
+
+void send_notes(engine_t *e, file_t *f, notes_t *nt) {
+    int32_t fi = (int32_t)(f - e->files);
+    for (size_t i = 0; i < nt->n; i++)
+        e->event(e->py, nt->v[i].kind, nt->v[i].drive, fi, nt->v[i].what, nt->v[i].timed_out,
+                 atomic_load(&e->ctr.drive_ok[nt->v[i].drive]));
+    nt->n = 0;
+}
+
+int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt) {
+    for (size_t i = 0; i < n; i++)
+        pc[i].status = RES_FAILED; /* until read */
+    int err = read_mirrors(e, f, pc, n, how, nt);
+    if (err)
+        return err;
+    for (size_t i = 0; i < n; i++)
+        if (pc[i].drive == 0 && pc[i].status == RES_FAILED)
+            err = pc[i].err;
+    for (size_t i = 0; i < n; i++)
+        if (pc[i].drive && pc[i].status == RES_OK)
+            landed(e, how, pc, i);
+    if (!err)
+        err = fall_back(e, f, pc, n, how, 0);
+    if (err)
+        note_primary(e, pc, n, nt);
+    return err;
+}
+
+int read_timed_out(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt) {
+    int err = fall_back(e, f, pc, n, how, 1);
+    if (err)
+        note_primary(e, pc, n, nt);
+    return err;
 }
 
 typedef struct {
-    int kind, drive, timed_out;
-    char what[200];
-} note_t;
+    char *buf;
+    size_t len;
+} request_mem_t;
 
-/* A run read from the primary, inline on the request's thread; 0 or the errno. */
-static int read_primary(engine_t *e, file_t *f, char *dst, const run_t *run, result_t *res) {
-    atomic_fetch_add(&e->ctr.drive_busy[0], 1);
-    drive_active(e, 0, 1);
-    res->got = pread_full(atomic_load(&f->fd[0]), dst, run->end - run->start, run->start, f->direct[0]);
-    int err = res->got < 0 ? errno : 0;
-    drive_active(e, 0, -1);
-    atomic_fetch_sub(&e->ctr.drive_busy[0], 1);
-    res->status = err ? RES_FAILED : RES_OK;
-    if (err)
-        snprintf(res->what, sizeof res->what, "read error at %llu: %s", (unsigned long long)run->start,
-                 strerror(err));
-    return err;
+static void release_buffer(void *buf) { free(buf); }
+
+/* Late jobs keep the request's buffer (freed once they are done): a fresh one gets the bytes that
+ * did land, and the pieces are read into it from now on. */
+static int relocate(void *arg, piece_t *pc, size_t n, void **release_arg) {
+    request_mem_t *m = arg;
+    char *old = m->buf, *fresh = aligned(m->len);
+    *release_arg = old;
+    lose_thread_buffer(old);
+    m->buf = fresh;
+    if (!fresh)
+        return ENOMEM;
+    for (size_t i = 0; i < n; i++) {
+        char *dst = fresh + (pc[i].dst - old);
+        if (pc[i].status == RES_OK && pc[i].got > 0)
+            memcpy(dst, pc[i].dst, (size_t)pc[i].got);
+        pc[i].dst = dst;
+    }
+    return 0;
 }
 
 void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t size, off_t offset, int cached) {
@@ -657,167 +820,54 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
     size_t fi = (size_t)(f - e->files);
     atomic_fetch_add(&e->ctr.file_bytes[fi], asked - off);
     atomic_fetch_add(&e->ctr.file_reads[fi], 1);
+    int via = cached ? stretch_serve(e, req, f, off, asked) : 0;
+    if (via > 0)
+        return; /* answered from a whole-extent read (stretch.c) */
     /* A page-cache reader's first touch of an expert reads all of it (prefetch.c). */
     uint64_t from = off, end = asked;
     int ahead = cached && prefetch_range(e, f, off, asked, &from, &end);
     uint64_t start = from & ~(uint64_t)(BLOCK - 1);
     uint64_t stop = (end + BLOCK - 1) & ~(uint64_t)(BLOCK - 1);
-    size_t len = stop - start, cap = len / BLOCK + 2;
-    run_t runs_small[REQ_BUF / BLOCK + 2];
-    result_t res_small[REQ_BUF / BLOCK + 2];
-    note_t notes_small[8];
-    int big = cap > REQ_BUF / BLOCK + 2;
-    run_t *runs = big ? malloc(cap * sizeof(run_t)) : runs_small;
-    result_t *res = big ? calloc(cap, sizeof(result_t)) : res_small;
-    note_t *notes = big ? calloc(cap, sizeof(note_t)) : notes_small;
-    size_t nnotes = 0, notes_cap = big ? cap : 8;
-    char *buf = request_buffer(len);
+    size_t len = stop - start, cap = runs_bound(f, start, stop);
+    piece_t small[REQ_BUF / BLOCK + 2];
+    piece_t *pc = cap > sizeof small / sizeof *small ? malloc(cap * sizeof *pc) : small;
+    request_mem_t mem = {request_buffer(len), len};
+    char *buf = mem.buf;
     int err = 0;
-    if (!runs || !res || !notes || !buf) {
+    uint64_t valid = start;
+    notes_t nt = {0};
+    if (!pc || !buf) {
         err = ENOMEM;
         goto out;
     }
-    uint32_t col = (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1);
-    size_t n = plan(e, f, col, start, end, stop, from, runs);
-    size_t nm = 0;
-    for (size_t r = 0; r < n; r++)
-        nm += runs[r].drive != 0;
-    pending_t *p = NULL;
-    if (nm) {
-        p = pending_new(nm, buf);
-        if (!p) {
-            err = ENOMEM;
-            goto out;
-        }
-        size_t j = 0;
-        for (size_t r = 0; r < n; r++) {
-            if (!runs[r].drive)
-                continue;
-            job_t *jb = &p->jobs[j++];
-            *jb = (job_t){.p = p, .f = f, .drive = runs[r].drive, .run = (int)r,
-                          .dst = buf + (runs[r].start - start), .off = runs[r].start,
-                          .len = runs[r].end - runs[r].start};
-            submit(e, jb);
-        }
-    }
-    for (size_t r = 0; r < n; r++) {
-        if (runs[r].drive)
-            continue;
-        int rerr = read_primary(e, f, buf + (runs[r].start - start), &runs[r], &res[r]);
-        if (rerr)
-            err = rerr;
-    }
-    if (p) {
-        int timed_out = wait_jobs(e, p); /* returns with p->m held */
-        for (size_t j = 0; j < nm; j++) {
-            job_t *jb = &p->jobs[j];
-            result_t *rs = &res[jb->run];
-            uint64_t want = (runs[jb->run].end < f->size ? runs[jb->run].end : f->size) - runs[jb->run].start;
-            if (!jb->done) {
-                rs->status = RES_TIMEOUT;
-                snprintf(rs->what, sizeof rs->what, "timeout at %llu: no answer within %g s",
-                         (unsigned long long)jb->off, e->mirror_timeout);
-            } else if (jb->changed) {
-                rs->status = RES_CHANGED;
-                memcpy(rs->what, jb->what, sizeof rs->what);
-            } else if (jb->got < 0) {
-                rs->status = RES_FAILED;
-                memcpy(rs->what, jb->what, sizeof rs->what);
-            } else if ((uint64_t)jb->got < want) {
-                rs->status = RES_FAILED;
-                snprintf(rs->what, sizeof rs->what, "short read at %llu: %lld of %llu bytes",
-                         (unsigned long long)jb->off, (long long)jb->got, (unsigned long long)want);
-            } else {
-                rs->status = RES_OK;
-                rs->got = jb->got;
-            }
-        }
-        if (timed_out) {
-            buf = abandon(p, buf, len, runs, res, n, start);
-            if (!buf) {
-                err = ENOMEM;
-                goto out;
-            }
-        } else {
-            int last;
-            pending_unref_locked(p, &last);
-            pthread_mutex_unlock(&p->m);
-            if (last)
-                pending_free(p);
-        }
-    }
-    /* Mirror runs that failed: noted for Python, re-read from the primary. */
-    for (size_t r = 0; r < n && !err; r++) {
-        int d = runs[r].drive;
-        if (!d)
-            continue;
-        if (res[r].status == RES_OK) {
-            atomic_fetch_add(&e->ctr.drive_bytes[d], overlap(runs[r].start, runs[r].end, from, end));
-            atomic_fetch_add(&e->ctr.drive_reads[d], 1);
-            atomic_fetch_add(&e->ctr.drive_ok[d], 1);
-            continue;
-        }
-        atomic_fetch_add(&e->ctr.drive_errors[d], 1);
-        atomic_fetch_add(e->ctr.fallbacks, 1);
-        if (res[r].status == RES_CHANGED)
-            atomic_fetch_or(&f->dropped, 1u << d);
-        if (nnotes < notes_cap) {
-            note_t *nt = &notes[nnotes++];
-            nt->kind = res[r].status == RES_CHANGED ? EV_MIRROR_CHANGED : EV_MIRROR_FAILED;
-            nt->drive = d;
-            nt->timed_out = res[r].status == RES_TIMEOUT;
-            memcpy(nt->what, res[r].what, sizeof nt->what);
-        }
-        runs[r].drive = 0;
-        int rerr = read_primary(e, f, buf + (runs[r].start - start), &runs[r], &res[r]);
-        if (rerr)
-            err = rerr;
-    }
-    if (err) {
-        for (size_t r = 0; r < n; r++) {
-            if (runs[r].drive == 0 && res[r].status == RES_FAILED && nnotes < notes_cap) {
-                note_t *nt = &notes[nnotes++];
-                nt->kind = EV_PRIMARY_FAILED;
-                nt->drive = 0;
-                nt->timed_out = 0;
-                memcpy(nt->what, res[r].what, sizeof nt->what);
-                atomic_fetch_add(&e->ctr.drive_errors[0], 1);
-                break;
-            }
-        }
-        goto out;
-    }
-    uint64_t valid = start;
-    for (size_t r = 0; r < n; r++) {
-        if (runs[r].drive == 0) {
-            atomic_fetch_add(&e->ctr.drive_bytes[0],
-                             overlap(runs[r].start, runs[r].start + (uint64_t)res[r].got, from, end));
-            atomic_fetch_add(&e->ctr.drive_reads[0], 1);
-        }
-        valid += (uint64_t)res[r].got;
-        if ((uint64_t)res[r].got < runs[r].end - runs[r].start)
+    size_t n = plan_runs(e, f, start, end, stop, from, via < 0, pc); /* a stretch's mirror failed */
+    for (size_t i = 0; i < n; i++)
+        pc[i].dst = buf + (pc[i].start - start);
+    reading_t how = {.abandon = relocate, .release = release_buffer, .arg = &mem, .count_from = from,
+                     .count_to = end};
+    err = read_pieces(e, f, pc, n, &how, &nt);
+    buf = mem.buf; /* another one if some mirror pieces timed out */
+    if (!err)
+        err = read_timed_out(e, f, pc, n, &how, &nt);
+    for (size_t i = 0; i < n && !err; i++) {
+        valid += (uint64_t)pc[i].got;
+        if ((uint64_t)pc[i].got < pc[i].end - pc[i].start)
             break; /* end of file (or the file shrank under us) */
     }
     if (valid > end)
         valid = end;
-    uint64_t reply_end = valid < asked ? valid : asked;
-    fuse_reply_buf(req, reply_end > off ? buf + (off - start) : NULL, reply_end > off ? reply_end - off : 0);
-    if (ahead) /* after the reply: the request's own pages are unlocked by then */
-        prefetch_store(e, ino, f, buf, start, off, asked, valid, from, end);
-out:
-    if (err) {
-        fuse_reply_err(req, err);
-        if (ahead)
-            prefetch_store(e, ino, f, buf, start, off, asked, from, from, end); /* nothing to store */
+    if (!err) {
+        uint64_t reply_end = valid < asked ? valid : asked;
+        fuse_reply_buf(req, reply_end > off ? buf + (off - start) : NULL, reply_end > off ? reply_end - off : 0);
     }
-    for (size_t i = 0; i < nnotes; i++)
-        e->event(e->py, notes[i].kind, notes[i].drive, (int32_t)fi, notes[i].what, notes[i].timed_out,
-                 atomic_load(&e->ctr.drive_ok[notes[i].drive]));
+out:
+    if (err)
+        fuse_reply_err(req, err);
+    send_notes(e, f, &nt); /* after the reply: Python takes its time */
+    if (ahead) /* after the reply: the request's own pages are unlocked by then */
+        prefetch_store(e, ino, f, buf, start, off, asked, err ? from : valid, from, end);
     if (buf)
         done_with(buf);
-    if (big) {
-        free(runs);
-        free(res);
-        free(notes);
-    }
+    if (pc != small)
+        free(pc);
 }

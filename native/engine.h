@@ -8,6 +8,7 @@
  * and keeps shared counters that Python reads.
  *
  * Files: fs.c (the FUSE handlers), drives.c (per-drive threads and the read fan-out),
+ * stretch.c (whole-extent reads that answer page-cache readers from a bounded buffer),
  * prefetch.c (expert-aware read-ahead into the page cache), module.c (the Python type that
  * builds the tables and runs the loop).
  */
@@ -92,6 +93,40 @@ typedef struct {
 } file_t;
 
 struct job;
+struct stretch;
+
+/* A piece of a reading: file bytes [start, end) (BLOCK multiples but at the file's end) from one
+ * drive, into dst. Set by the reading: got, status, err (the primary's errno). */
+enum { RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT };
+typedef struct {
+    uint64_t start, end;
+    int drive; /* 0 once the primary read it (also after a mirror failed) */
+    int status, err;
+    char *dst;
+    ssize_t got;
+} piece_t;
+
+/* What a reading reports to Python (colifs.native: health, logs): events, one per kind and drive. */
+#define MAX_NOTES 16
+typedef struct {
+    size_t n;
+    struct {
+        int kind, drive, timed_out;
+        char what[200];
+    } v[MAX_NOTES];
+} notes_t;
+
+/* What a reading (drives.c read_pieces) does besides reading: ready(arg, i) once piece i holds its
+ * bytes; when mirror pieces time out, abandon() moves what must survive away from the memory the
+ * late jobs still write into (it runs before any of them can finish) and names the argument of
+ * release(), which runs once they all have. Bytes in [count_from, count_to) count as served. */
+typedef struct {
+    void (*ready)(void *arg, size_t i);
+    int (*abandon)(void *arg, piece_t *pc, size_t n, void **release_arg);
+    void (*release)(void *arg);
+    void *arg;
+    uint64_t count_from, count_to;
+} reading_t;
 
 /* How one set of usable mirrors (a column: bit d-1 = mirror d) routes, from the weights in force
  * (colifs.readplan.route_columns): drive d serves positions in [bound[d-1], bound[d]), stripe
@@ -127,6 +162,10 @@ typedef struct {
     _Atomic uint64_t *drive_ok;           /* successful mirror reads: health needs "in a row" */
     _Atomic uint64_t *prefetch;           /* [0] bytes stored ahead, [1] prefetches, [2] bytes asked
                                              again soon after their key's prefetch */
+    _Atomic uint64_t *stretch;            /* stretch.c: [0] stretches read, [1] bytes read into them,
+                                             [2] requests answered from one, [3] of them waited for its
+                                             read, [4] bytes answered, [5] bytes held now, [6] stretches
+                                             not started (the buffer was full) */
 } counters_t;
 
 typedef struct engine {
@@ -172,6 +211,20 @@ typedef struct engine {
     pthread_t store_thread;
     _Atomic uint64_t store_inflight;
 
+    /* stretch.c: the whole-extent buffer. Lock rules: stretches.m guards the list, every
+     * stretch's fields but its bytes, and the free units; a stretch's bytes are written only while
+     * its piece is not yet published (state S_READING, set under the lock) and read only after. */
+    struct {
+        pthread_mutex_t m;
+        pthread_cond_t published; /* a piece of some stretch changed state */
+        char *arena;              /* nunits x STRETCH_UNIT bytes, mapped once */
+        uint32_t *free_units;
+        size_t nunits, nfree;
+        size_t live;              /* stretches not freed yet (listed, or held by their users) */
+        struct stretch *list;
+        _Atomic int paused;       /* by Python, while memory is short: no new stretches */
+    } stretches;
+
     /* Calls into Python: rare requests (control files, xattrs) and events. Set by module.c. */
     void *py;
     int (*control)(void *py, uint64_t ino, char **data, size_t *len);
@@ -189,6 +242,27 @@ node_t *engine_node(engine_t *e, uint64_t ino);
 int drives_start(engine_t *e);
 void drives_stop(engine_t *e);
 void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t size, off_t off, int cached);
+size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
+size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
+                 int primary_only, piece_t *runs);
+/* Read the pieces (their dst set): mirrors on their drives' threads, the primary inline, failed
+ * mirror pieces again from the primary (in place); timed-out ones are left RES_TIMEOUT (their
+ * memory went to the late jobs through how->abandon). 0, or the errno the caller gets. What
+ * failed is noted in nt, for send_notes once the caller holds no lock and has replied. */
+int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt);
+int read_timed_out(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how,
+                   notes_t *nt); /* the RES_TIMEOUT pieces, from the primary */
+void send_notes(engine_t *e, file_t *f, notes_t *nt);
+uint64_t mono_ns(void);
+
+/* stretch.c */
+#define STRETCH_UNIT (1u << 20) /* the buffer's allocation unit */
+int stretch_init(engine_t *e, size_t units);
+void stretch_free(engine_t *e);
+void stretch_pause(engine_t *e, int paused);
+/* 1: answered from a stretch; 0: not in one; -1: in one whose mirror read failed there (read it
+ * from the primary). */
+int stretch_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
 int file_open(engine_t *e, file_t *f);
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);

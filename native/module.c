@@ -287,7 +287,7 @@ static int load_files(engine_t *e, PyObject *files) {
 /* The counters live in memory Python owns, laid out as colifs.native.NativeCounters says. */
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t r = (size_t)e->nrep;
-    size_t words = 6 * r + 1 + 3 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 6 * r + 1 + 3 + 7 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -302,6 +302,7 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     e->ctr.drive_busy_ns = p, p += r;
     e->ctr.fallbacks = p, p += 1;
     e->ctr.prefetch = p, p += 3;
+    e->ctr.stretch = p, p += 7;
     e->ctr.key_bytes = p, p += e->nkeys * r;
     e->ctr.key_reads = p, p += e->nkeys;
     e->ctr.file_bytes = p, p += e->nfiles;
@@ -314,22 +315,23 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
-                            "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", NULL};
+                            "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", "stretch_units", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters;
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
     unsigned long long prefetch_max = 0;
+    Py_ssize_t stretch_units = 0;
     Py_buffer experts = {0}, routes = {0};
     if (self->e.nrep) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*n", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event,
-                                     &routes, &prefetch_max, &experts))
+                                     &routes, &prefetch_max, &experts, &stretch_units))
         return -1;
     uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
     size_t route_len = (size_t)routes.len;
@@ -400,6 +402,10 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     self->have_counters = 1;
     if (map_counters(e, &self->counters))
         return -1;
+    if (stretch_units < 0 || stretch_init(e, (size_t)stretch_units)) {
+        PyErr_SetString(PyExc_ValueError, "stretch_units: a buffer of that many MiB cannot be mapped");
+        return -1;
+    }
     for (size_t i = 0; i < e->nchildren; i++) {
         if (!engine_node(e, e->children[i].ino)) {
             PyErr_SetString(PyExc_ValueError, "a directory entry names an unknown inode");
@@ -516,11 +522,14 @@ static PyObject *Engine_set_routes(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Engine_set_prefetch(EngineObject *self, PyObject *args) {
-    int on;
-    if (!PyArg_ParseTuple(args, "p", &on))
+static PyObject *Engine_set_memory_short(EngineObject *self, PyObject *args) {
+    int is_short;
+    if (!PyArg_ParseTuple(args, "p", &is_short))
         return NULL;
-    atomic_store(&self->e.prefetch_paused, !on);
+    atomic_store(&self->e.prefetch_paused, is_short);
+    Py_BEGIN_ALLOW_THREADS;
+    stretch_pause(&self->e, is_short);
+    Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
 
@@ -568,6 +577,7 @@ static void Engine_dealloc(EngineObject *self) {
         free(e->nodes);
         free(e->children);
         free(e->key_expert);
+        stretch_free(e);
         if (self->have_counters)
             PyBuffer_Release(&self->counters);
         for (int d = 0; d < e->nrep; d++)
@@ -588,8 +598,9 @@ static PyMethodDef Engine_methods[] = {
     {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
-    {"set_prefetch", (PyCFunction)Engine_set_prefetch, METH_VARARGS,
-     "set_prefetch(on): resume or pause the expert prefetch (memory is short)."},
+    {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,
+     "set_memory_short(short): pause (or resume) the prefetch and new stretches, and give back the "
+     "stretch buffer's unused memory."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},
     {NULL, NULL, 0, NULL},
 };

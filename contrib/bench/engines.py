@@ -18,14 +18,22 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 DAEMON_BUFFERS_MIB = 64
 
-Config = tuple[str, list[str] | None, int]  # label, colifs flags (None: the fast drive directly), readahead
-CONFIGS = ("direct128", "direct512", "defaults", "prefetch", "expert")
+
+class Config(NamedTuple):
+    label: str
+    flags: list[str] | None  # colifs' (None: the fast drive read directly)
+    readahead_kb: int  # the fast drive's
+    drives: int = 2  # colifs over both drives, or over the fast one only
+
+
+CONFIGS = ("direct128", "direct512", "defaults", "fastonly", "nobuffer", "prefetch", "expert")
 
 
 def config_list(text: str) -> str:
@@ -51,16 +59,25 @@ def rig_arguments(p: argparse.ArgumentParser, default_configs: str) -> None:
         help=f"the configurations to run, in order (known: {','.join(CONFIGS)}; default {default_configs})",
     )
     p.add_argument("--json", metavar="FILE", help="the results, saved after every run")
+    p.add_argument("--ram", action="store_true", help="the drive images in /dev/shm (fast drives: 900 + 300)")
 
 
 def configs(fast: float, slow: float, names: str) -> list[Config]:
     w = f"{fast:g},{slow:g}"
     named = {
-        "direct128": ("fast drive directly, readahead 128 KiB", None, 128),
-        "direct512": ("fast drive directly, readahead 512 KiB", None, 512),
-        "defaults": ("colifs, both drives (defaults)", ["--weights", w], 128),
-        "prefetch": ("colifs, both, --prefetch expert", ["--weights", w, "--prefetch", "expert"], 128),
-        "expert": ("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
+        "direct128": Config("fast drive directly, readahead 128 KiB", None, 128),
+        "direct512": Config("fast drive directly, readahead 512 KiB", None, 512),
+        "defaults": Config("colifs, both drives (defaults)", ["--weights", w], 128),
+        "fastonly": Config("colifs, fast drive only (defaults)", [], 128, drives=1),
+        "nobuffer": Config(
+            "colifs, both, --extent-buffer-mib 0", ["--weights", w, "--extent-buffer-mib", "0"], 128
+        ),
+        "prefetch": Config(
+            "colifs, both, --prefetch expert",
+            ["--weights", w, "--prefetch", "expert", "--extent-buffer-mib", "0"],
+            128,
+        ),
+        "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
     }
     return [named[name] for name in names.split(",")]
 
@@ -83,9 +100,10 @@ class MemoryCgroup:
         self.path.rmdir()
 
 
-def rss_mib(pid: int) -> int:
+def rss_mib(pid: int, field: str = "VmRSS") -> int:
+    """The process's resident memory now (VmRSS) or at its peak (VmHWM), MiB."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) // 1024
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) // 1024
 
 
 def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> dict:
@@ -112,6 +130,7 @@ def measured_mount(dirs: list[Path], mnt: Path, flags: list[str]) -> Iterator[tu
         figures["daemon_gb"] = gb
         figures["daemon_cpu_s_per_gb"] = (cpu_seconds(pid) - cpu0) / gb if gb else None
         figures["byte_share"] = [x["byte_share"] for x in after["replicas"]]
+        figures["daemon_peak_rss_mib"] = rss_mib(pid, "VmHWM")
 
 
 def one_run(
@@ -120,11 +139,10 @@ def one_run(
     """`run(root)` on the fast drive (dirs[0]) or through colifs over `dirs`; for colifs the daemon
     joins the cgroup, whose limit grows by its RSS and buffers, and the result gets the bytes it
     served, its CPU per GB and the drives' byte shares."""
-    _, flags, _ = config
-    if flags is None:
+    if config.flags is None:
         cg.set_limit(limit_mib)
         return run(dirs[0])
-    with measured_mount(dirs, mnt, flags) as (pid, figures):
+    with measured_mount(dirs[: config.drives], mnt, config.flags) as (pid, figures):
         cg.add(pid)
         cg.set_limit(limit_mib + rss_mib(pid) + DAEMON_BUFFERS_MIB)
         r = run(mnt)
@@ -143,6 +161,7 @@ def interleaved(
     variants: list[str],
     run: OneRun,
     before: Callable[[Rig, Path], None] | None = None,
+    image_gb: float = 3.6,
 ) -> tuple[list[Config], Results]:
     """The rig (two throttled drives, `write` filling the first, copied to the second), the memory
     cgroup, then `args.repeats` rounds of every variant x configuration, results saved to
@@ -157,7 +176,7 @@ def interleaved(
     work = Path(tempfile.mkdtemp(prefix=f"colifs-{prefix}-"))
     rig = cg = None
     try:
-        rig = Rig(work, image_gb=3.6)
+        rig = Rig(work, image_gb=image_gb, ram=args.ram)
         a, b = rig.dirs
         a.mkdir()
         write(a)

@@ -129,7 +129,7 @@ def _print_results(
         print(f"\n{loader}:")
         print(f"{'configuration':<42} {'load s':>7} {'(min-max)':>13} {'speed-up':>9} {'weights equal':>14} "
               f"{'daemon GB':>10} {'CPU s/GB':>9} {'slow share':>11}")  # fmt: skip
-        for label, _, _ in chosen:
+        for label, *_ in chosen:
             runs = by[label]
             t = [x["load_s"] for x in runs]
             same = "yes" if all(x["crc"] == ref for x in runs) else "NO"

@@ -5,13 +5,17 @@ memory cgroup well below the model's size, as on a workstation whose RAM is smal
     contrib/bench/llama-decode.sh [--fast 150] [--slow 50] [--mem-mib 1200] [--tokens 24]
                                   [--repeats 3] [--modes mmap,none,direct] [--json FILE]
                                   [--sequential] [--configs direct128,defaults,...]
+                                  [--ram] [--model spread|big]
 
-The model: colifs.synth.write_runnable_gguf (qwen3moe, 12 layers x 64 experts of 3 MiB, top 4,
-random F16 weights) with the tokenizer of llama.cpp's ggml-vocab-qwen2.gguf ($COLIFS_GGUF_VOCAB_DIR,
-which `make test` fills). The engine runs under $ENGINE_PYTHON (default .venv-engines/bin/python,
-made by `make bench-engines`). Caches are dropped before every run; configurations are interleaved;
-medians and min-max over the repeats. For colifs runs the daemon joins the engine's memory cgroup,
-whose limit grows by the daemon's own RSS plus 64 MiB of read buffers. Root only; cleans up.
+The model: colifs.synth.write_runnable_gguf (qwen3moe, top 4, random F16 weights) with the tokenizer
+of llama.cpp's ggml-vocab-qwen2.gguf ($COLIFS_GGUF_VOCAB_DIR, which `make test` fills): `spread`
+(default) 12 layers x 64 experts of 3 MiB (1 MiB per tensor slice, 2.9 GB), `big` 12 layers x 16
+experts of 12 MiB (4 MiB per tensor slice, as 200B+ MoE checkpoints have: 3.1 GB). `--ram` puts the
+drive images in /dev/shm (fast drives, e.g. --fast 900 --slow 300). The engine runs under
+$ENGINE_PYTHON (default .venv-engines/bin/python, made by `make bench-engines`). Caches are dropped
+before every run; configurations are interleaved; medians and min-max over the repeats. For colifs
+runs the daemon joins the engine's memory cgroup, whose limit grows by the daemon's own RSS plus 64
+MiB of read buffers. Root only; cleans up.
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ print(json.dumps({"load_s": load, "decode_tok_s": t["predicted_per_second"],
 """
 
 
+# name -> (write_runnable_gguf's arguments, GB)
+MODELS = {"spread": ({}, 2.9), "big": ({"experts": 16, "inter": 2048}, 3.1)}
+
+
 def run_engine(py: str, model: Path, args: argparse.Namespace, mode: str, cg: MemoryCgroup) -> dict:
     return run_in_cgroup(py, ENGINE, [str(model), str(args.tokens), mode], cg)
 
@@ -74,6 +82,7 @@ def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     rig_arguments(p, ",".join(CONFIGS))
     p.add_argument("--tokens", type=int, default=24)
+    p.add_argument("--model", choices=sorted(MODELS), default="spread", help="the model (default spread)")
     p.add_argument("--modes", default="mmap", help="llama.cpp load modes: mmap,none,direct (default mmap)")
     p.add_argument(
         "--sequential",
@@ -133,32 +142,49 @@ def _print_results(
 ) -> None:
     print()
     print(
-        f"llama.cpp (xllamacpp) decoding {args.tokens} tokens; drives {args.fast:g} + {args.slow:g} "
-        f"MB/s; engine memory cgroup {args.mem_mib} MiB (no-mmap and direct I/O: the model + that); "
+        f"llama.cpp (xllamacpp) decoding {args.tokens} tokens of the {args.model} model; drives "
+        f"{args.fast:g} + {args.slow:g} MB/s{' (RAM-backed)' if args.ram else ''}; engine memory cgroup "
+        f"{args.mem_mib} MiB (no-mmap and direct I/O: the model + that); "
         f"{args.repeats} runs each, interleaved"
     )
     for mode, by in results.items():
-        ref_text = by[configs[0][0]][0]["text"]
-        directs = [c[0] for c in configs if c[1] is None]
-        best = max(statistics.median(x["decode_tok_s"] for x in by[c]) for c in directs)
-        fastest_load = min(statistics.median(x["load_s"] for x in by[c]) for c in directs)
-        print(f"\nload mode {mode}:")
-        print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
-              f"{'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} {'tokens equal':>13} "
-              f"{'daemon GB':>10} {'CPU s/GB':>9}")  # fmt: skip
-        for label, _, _ in configs:
-            runs = by[label]
-            d = [x["decode_tok_s"] for x in runs]
-            same = all(x["text"] == ref_text for x in runs)
-            load = statistics.median(x["load_s"] for x in runs)
-            print(
-                f"{label:<42} {statistics.median(d):>13.2f} {f'{min(d):.2f}-{max(d):.2f}':>13} "
-                f"{statistics.median(d) / best:>15.2f} "
-                f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
-                f"{load:>7.2f} {fastest_load / load:>14.2f} {'yes' if same else 'NO':>13}"
-                f" {median_of(runs, 'daemon_gb', '.2f'):>10}"
-                f" {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
-            )
+        _print_mode(mode, by, configs)
+
+
+def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config]) -> None:
+    """One load mode's table: each configuration against the best direct one and, where it ran,
+    colifs on the fast drive alone."""
+    ref_text = by[configs[0].label][0]["text"]
+    median = {c.label: statistics.median(x["decode_tok_s"] for x in by[c.label]) for c in configs}
+    best = max(median[c.label] for c in configs if c.flags is None)
+    alone = next((median[c.label] for c in configs if c.drives == 1), None)
+    fastest_load = min(
+        statistics.median(x["load_s"] for x in by[c.label]) for c in configs if c.flags is None
+    )
+    print(f"\nload mode {mode}:")
+    print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
+          f"{'vs colifs fast only':>20} {'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} "
+          f"{'tokens equal':>13} {'daemon GB':>10} {'CPU s/GB':>9} {'peak RSS MiB':>13}")  # fmt: skip
+    for c in configs:
+        vs_alone = "-" if alone is None else f"{median[c.label] / alone:.2f}"
+        _print_row(c.label, by[c.label], median[c.label] / best, vs_alone, fastest_load, ref_text)
+
+
+def _print_row(
+    label: str, runs: list[dict], vs_best: float, vs_alone: str, fastest_load: float, ref: str
+) -> None:
+    d = [x["decode_tok_s"] for x in runs]
+    same = all(x["text"] == ref for x in runs)
+    load = statistics.median(x["load_s"] for x in runs)
+    print(
+        f"{label:<42} {statistics.median(d):>13.2f} {f'{min(d):.2f}-{max(d):.2f}':>13} "
+        f"{vs_best:>15.2f} {vs_alone:>20} "
+        f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
+        f"{load:>7.2f} {fastest_load / load:>14.2f} {'yes' if same else 'NO':>13}"
+        f" {median_of(runs, 'daemon_gb', '.2f'):>10}"
+        f" {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
+        f" {median_of(runs, 'daemon_peak_rss_mib', '.0f'):>13}"
+    )
 
 
 def main() -> int:
@@ -176,14 +202,16 @@ def main() -> int:
     def write(a: Path) -> None:
         from colifs.synth import write_runnable_gguf
 
-        print("writing the model (2.9 GB) to both drives ...", file=sys.stderr)
-        write_runnable_gguf(str(a / "model.gguf"), str(vocab))
+        shape, gb = MODELS[args.model]
+        print(f"writing the model ({gb} GB) to both drives ...", file=sys.stderr)
+        write_runnable_gguf(str(a / "model.gguf"), str(vocab), **shape)
 
     def run(rig: Rig, cg: MemoryCgroup, mnt: Path, mode: str, config: Config) -> dict:
         return _one_run(py, rig, cg, mnt, args, mode, config)
 
     before = (lambda rig, mnt: sequential(rig, mnt, args)) if args.sequential else None
-    chosen, results = interleaved(args, "llama", write, args.modes.split(","), run, before)
+    image_gb = MODELS[args.model][1] + 0.7  # ext4 needs room
+    chosen, results = interleaved(args, "llama", write, args.modes.split(","), run, before, image_gb)
     _print_results(args, chosen, results)
     return 0
 

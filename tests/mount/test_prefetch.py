@@ -19,6 +19,7 @@ from tests.helpers import drop_file_cache, mounted
 pytestmark = pytest.mark.mounts
 
 PAGE = mmap.PAGESIZE
+PREFETCHING = ("--weights", "1,1", "--prefetch", "expert", "--extent-buffer-mib", "0")  # not the buffer
 
 
 def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:
@@ -58,7 +59,7 @@ def test_a_fault_inside_an_expert_brings_in_the_whole_expert(checkpoint, tmp_pat
     primary, mirror, shard = checkpoint
     a, b = expert_span(shard, ExpertKey("model.layers", 1, 2))  # 3 MiB, 3 tensors
     want = shard.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--prefetch", "expert") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *PREFETCHING) as m:
         if engine == "pyfuse3":
             assert "--prefetch expert needs the native engine" in m.stderr
             assert m.stats()["prefetch"] == {}
@@ -90,7 +91,7 @@ def test_a_fault_inside_an_expert_brings_in_the_whole_expert(checkpoint, tmp_pat
 def test_o_direct_readers_never_prefetch(checkpoint, tmp_path: Path, engine: str) -> None:
     primary, mirror, shard = checkpoint
     a, b = expert_span(shard, ExpertKey("model.layers", 0, 1))
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--prefetch", "expert") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *PREFETCHING) as m:
         fd = os.open(m.path / shard.name, os.O_RDONLY | os.O_DIRECT)
         try:
             buf = mmap.mmap(-1, 1 << 20)
@@ -108,14 +109,22 @@ def test_prefetch_is_off_by_default(checkpoint, tmp_path: Path, engine: str) -> 
         assert m.stats()["prefetch"].get("prefetches", 0) == 0
 
 
-@pytest.fixture
-def fused(tmp_path: Path) -> tuple[Path, Path, Path]:
-    """A GGUF of fused experts: each expert is three 1 MiB extents, one in each of three tensors."""
+def fused_model(tmp_path: Path, layers: int, inter: int) -> tuple[Path, Path, Path]:
+    """(primary, mirror, model): a GGUF of 4 fused experts per layer, each three extents of
+    `inter` KiB x 2, one in each of three tensors."""
     primary, mirror = tmp_path / "p", tmp_path / "m"
     primary.mkdir()
-    write_gguf(str(primary / "m.gguf"), "qwen3moe", layers=1, experts=4, hidden=1024, inter=512, qtype="F16")
+    write_gguf(
+        str(primary / "m.gguf"), "qwen3moe", layers=layers, experts=4, hidden=1024, inter=inter, qtype="F16"
+    )
     shutil.copytree(primary, mirror)
     return primary, mirror, primary / "m.gguf"
+
+
+@pytest.fixture
+def fused(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """Each expert three 1 MiB extents."""
+    return fused_model(tmp_path, 1, 512)
 
 
 def test_each_extent_of_a_fused_expert_is_prefetched_and_a_fault_prefetches_its_own(
@@ -128,7 +137,7 @@ def test_each_extent_of_a_fused_expert_is_prefetched_and_a_fault_prefetches_its_
     primary, mirror, model = fused
     want = model.read_bytes()
     gate, up, down = extents_of(model, ExpertKey("blk", 0, 2))
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--prefetch", "expert") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *PREFETCHING) as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
