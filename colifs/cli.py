@@ -97,10 +97,10 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_EXTENT_BUFFER_MIB,
         metavar="MIB",
-        help="native engine: a page-cache reader's (mmap, buffered) first request into a routed "
-        "expert's extent reads the rest of it (up to 16 MiB) from all drives at once into a buffer "
-        "of this size, which answers the kernel's next requests there "
-        f"(default: {DEFAULT_EXTENT_BUFFER_MIB}; 0 = off)",
+        help="native engine, experimental: a page-cache reader's (mmap, buffered) first request into "
+        "a routed expert's extent reads all of it (up to 16 MiB) from all drives at once into a "
+        "buffer of this size (e.g. 64), which answers the kernel's next requests there "
+        f"(default: {DEFAULT_EXTENT_BUFFER_MIB} = off: no faster with llama.cpp, see docs/benchmarks.md)",
     )
     m.add_argument(
         "--engine",

@@ -468,8 +468,8 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
 }
 
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable
- * drives (or all on the primary), their last run ending at stop, and count what [off, end) asked
- * of each key. Returns the number of runs: at most runs_bound(). */
+ * drives (or, primary_only, all on the primary), their last run ending at stop, and count what
+ * [off, end) asked of each key. Returns the number of runs: at most runs_bound(). */
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
                  int primary_only, piece_t *runs) {
     snapper_t s = {runs, 0, 0, 0, 0};
@@ -840,7 +840,7 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
         err = ENOMEM;
         goto out;
     }
-    size_t n = plan_runs(e, f, start, end, stop, from, via < 0, pc); /* a stretch's mirror failed */
+    size_t n = plan_runs(e, f, start, end, stop, from, via < 0, pc); /* via < 0: a stretch's mirror failed */
     for (size_t i = 0; i < n; i++)
         pc[i].dst = buf + (pc[i].start - start);
     reading_t how = {.abandon = relocate, .release = release_buffer, .arg = &mem, .count_from = from,

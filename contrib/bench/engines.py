@@ -33,7 +33,17 @@ class Config(NamedTuple):
     drives: int = 2  # colifs over both drives, or over the fast one only
 
 
-CONFIGS = ("direct128", "direct512", "defaults", "fastonly", "nobuffer", "prefetch", "expert")
+CONFIGS = (
+    "direct128",
+    "direct512",
+    "defaults",
+    "fastonly",
+    "nobuffer",
+    "nosplit",
+    "buffer",
+    "prefetch",
+    "expert",
+)
 
 
 def config_list(text: str) -> str:
@@ -69,12 +79,13 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "direct512": Config("fast drive directly, readahead 512 KiB", None, 512),
         "defaults": Config("colifs, both drives (defaults)", ["--weights", w], 128),
         "fastonly": Config("colifs, fast drive only (defaults)", [], 128, drives=1),
-        "nobuffer": Config(
-            "colifs, both, --extent-buffer-mib 0", ["--weights", w, "--extent-buffer-mib", "0"], 128
+        "buffer": Config(
+            "colifs, both, --extent-buffer-mib 64", ["--weights", w, "--extent-buffer-mib", "64"], 128
         ),
+        "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
         "prefetch": Config(
             "colifs, both, --prefetch expert",
-            ["--weights", w, "--prefetch", "expert", "--extent-buffer-mib", "0"],
+            ["--weights", w, "--prefetch", "expert"],
             128,
         ),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),

@@ -19,7 +19,7 @@ from tests.helpers import drop_file_cache, mounted
 pytestmark = pytest.mark.mounts
 
 PAGE = mmap.PAGESIZE
-PREFETCHING = ("--weights", "1,1", "--prefetch", "expert", "--extent-buffer-mib", "0")  # not the buffer
+PREFETCHING = ("--weights", "1,1", "--prefetch", "expert")
 
 
 def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:

@@ -1,6 +1,7 @@
-"""The whole-extent buffer (native engine, --extent-buffer-mib): a page-cache reader's first request
-into a routed expert's extent reads the rest of the extent from every drive at once; the kernel's
-next requests there are answered from the buffer. The bytes are always the primary's."""
+"""Page-cache readers (mmap, buffered) and the whole-extent buffer (native engine,
+--extent-buffer-mib): the first request into a routed expert's extent reads all of the extent from
+every drive at once, and the kernel's next requests there are answered from the buffer. The bytes
+are always the primary's."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from tests.mount.test_prefetch import extents_of, fused_model
 pytestmark = pytest.mark.mounts
 
 PAGE = mmap.PAGESIZE
+BUFFER = ("--extent-buffer-mib", "64")
 
 
 @pytest.fixture
@@ -43,7 +45,7 @@ def test_page_cache_readers_are_answered_from_whole_extent_reads(fused, tmp_path
     once, from both drives, and most of the kernel's requests are answered from the buffer."""
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", *BUFFER) as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
@@ -64,7 +66,7 @@ def test_page_cache_readers_are_answered_from_whole_extent_reads(fused, tmp_path
 def test_direct_readers_and_a_zero_buffer_never_use_it(fused, tmp_path: Path, native_only) -> None:
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", *BUFFER) as m:
         fd = os.open(m.path / model.name, os.O_RDONLY | os.O_DIRECT)
         try:
             got = mmap.mmap(-1, len(want) // PAGE * PAGE)
@@ -73,7 +75,7 @@ def test_direct_readers_and_a_zero_buffer_never_use_it(fused, tmp_path: Path, na
             os.close(fd)
         assert got[:] == want[: len(got)]
         assert buffer_of(m)["stretches_read"] == 0
-    with mounted(primary, [mirror], tmp_path / "mnt2", "--weights", "1,1", "--extent-buffer-mib", "0") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt2", "--weights", "1,1") as m:  # off by default
         drop_file_cache(m.path / model.name)
         assert (m.path / model.name).read_bytes() == want
         assert buffer_of(m)["stretches_read"] == 0 and buffer_of(m)["requests_answered"] == 0
@@ -121,7 +123,7 @@ def test_one_touch_does_not_pin_the_rest_for_long(fused, tmp_path: Path, native_
     primary, mirror, model = fused
     want = model.read_bytes()
     a = extents_of(model, ExpertKey("blk", 0, 1))[0][0]
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", *BUFFER) as m:
         via = m.path / model.name
         drop_file_cache(via)
         first = -(-a // PAGE) * PAGE
@@ -136,10 +138,11 @@ def test_one_touch_does_not_pin_the_rest_for_long(fused, tmp_path: Path, native_
 
 
 @pytest.mark.daemon_warns("reading from the primary instead", "went down")
-def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, native_only) -> None:
+@pytest.mark.parametrize("flags", [BUFFER, ()], ids=["buffer", "plain"])
+def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, native_only, flags) -> None:
     """Errors, short reads and a hang (past --mirror-timeout) on the mirror while page-cache readers
-    go through the buffer: every byte the primary's, the failures counted."""
-    with through_faultfs(tmp_path, "--mirror-timeout", "1") as (primary, mnt, control):
+    go through the buffer (or without it): every byte the primary's, the failures counted."""
+    with through_faultfs(tmp_path, "--mirror-timeout", "1", *flags) as (primary, mnt, control):
         shards = sorted(primary.glob("*.safetensors"))
         for fault in ("ok", "eio", "short", "hang"):
             control.write_text(fault)
@@ -148,7 +151,10 @@ def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, na
                 drop_file_cache(mnt / p.name)
                 assert (mnt / p.name).read_bytes() == p.read_bytes(), (fault, p.name)
             after = stats(mnt)
-            assert after["extent_buffer"]["requests_answered"] > before["extent_buffer"]["requests_answered"]
+            if flags:
+                assert (
+                    after["extent_buffer"]["requests_answered"] > before["extent_buffer"]["requests_answered"]
+                )
             if fault != "ok":
                 assert (
                     after["fallbacks"] > before["fallbacks"]
