@@ -22,7 +22,7 @@ DEFAULT_READ_AHEAD_KB = {"native": 128, "pyfuse3": 512}
 DEFAULT_MAX_BACKGROUND = 256
 # The whole-extent buffer (native/stretch.c), MiB; 64 holds four stretches of 16 MiB. Off by
 # default: llama.cpp decoded no faster with it, reading 1.6x the bytes (pages of an extent the page
-# cache still held were read again; docs/benchmarks.md run 38).
+# cache still held were read again; docs/benchmarks.md runs 38-40).
 DEFAULT_EXTENT_BUFFER_MIB = 0
 MAX_EXTENT_BUFFER_MIB = 65536  # unit numbers are 32-bit; past this it is a typo, not a buffer
 

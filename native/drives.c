@@ -606,9 +606,12 @@ static pending_t *pending_new(size_t njobs) {
 /* One note per kind and drive: a reading counts once against a drive's health however many of its
  * pieces failed there (a stretch has up to 16 on one drive). */
 static void note(notes_t *nt, int kind, int drive, int timed_out, const char *what) {
-    for (size_t i = 0; i < nt->n; i++)
-        if (nt->v[i].kind == kind && nt->v[i].drive == drive)
+    for (size_t i = 0; i < nt->n; i++) {
+        if (nt->v[i].kind == kind && nt->v[i].drive == drive) {
+            nt->v[i].timed_out |= timed_out; /* health counts a timeout apart from an error */
             return;
+        }
+    }
     if (nt->n == MAX_NOTES)
         return;
     nt->v[nt->n].kind = kind;
@@ -835,7 +838,8 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
     char *buf = mem.buf;
     int err = 0;
     uint64_t valid = start;
-    notes_t nt = {0};
+    notes_t nt;
+    nt.n = 0;
     if (!pc || !buf) {
         err = ENOMEM;
         goto out;

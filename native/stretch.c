@@ -99,9 +99,14 @@ static void unlist_locked(engine_t *e, stretch_t *s) {
 /* After the loop. A stretch still referenced has late jobs on a hung mirror writing into it (their
  * threads were detached): its memory stays, to the exit. */
 void stretch_free(engine_t *e) {
+    if (!e->stretches.nunits)
+        return;
+    pthread_mutex_lock(&e->stretches.m);
     while (e->stretches.list)
         unlist_locked(e, e->stretches.list);
-    if (e->stretches.live)
+    size_t live = e->stretches.live;
+    pthread_mutex_unlock(&e->stretches.m);
+    if (live)
         return;
     if (e->stretches.arena)
         munmap(e->stretches.arena, e->stretches.nunits * STRETCH_UNIT);
@@ -351,19 +356,21 @@ static int read_stretch(engine_t *e, stretch_t *s, fuse_req_t req, uint64_t off,
     reader_t r = {s, req, off, asked, 0};
     reading_t how = {.ready = published, .abandon = keep_for_late, .release = late_done, .arg = &r,
                      .count_from = s->start, .count_to = s->end};
-    notes_t nt = {0};
+    notes_t nt;
+    nt.n = 0;
     atomic_fetch_add(&e->ctr.stretch[0], 1);
     atomic_fetch_add(&e->ctr.stretch[1], s->end - s->start);
     int held = file_open(e, f) == 0; /* the request's own open keeps it open: no open happens */
     read_pieces(e, f, s->pc, s->n, &how, &nt); /* failures: the pieces stay unpublished */
     if (held)
         file_release(e, f);
-    for (size_t i = 0; i < s->n; i++) {
-        if (s->pc[i].status == RES_TIMEOUT) { /* its requests read it from the primary */
+    uint32_t timed_out = 0; /* drives that timed out: counted once each, as a request's run is */
+    for (size_t i = 0; i < s->n; i++)
+        if (s->pc[i].status == RES_TIMEOUT && !(timed_out & (1u << s->pc[i].drive))) {
+            timed_out |= 1u << s->pc[i].drive; /* its requests read those pieces from the primary */
             atomic_fetch_add(&e->ctr.drive_errors[s->pc[i].drive], 1);
             atomic_fetch_add(e->ctr.fallbacks, 1);
         }
-    }
     pthread_mutex_lock(&e->stretches.m);
     for (size_t i = 0; i < s->n; i++)
         if (s->state[i] == S_READING)

@@ -38,9 +38,8 @@ CONFIGS = (
     "direct512",
     "defaults",
     "fastonly",
-    "nobuffer",
-    "nosplit",
     "buffer",
+    "threads4",
     "prefetch",
     "expert",
 )
