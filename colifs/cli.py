@@ -129,8 +129,9 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         metavar="S",
-        help="a mirror read not answered within S seconds is re-read from the primary; "
-        "repeated failures take the mirror out of use until a check read passes (default: 5, 0 = never)",
+        help="a mirror read not answered within S seconds is re-read from the primary; repeated "
+        "failures take the mirror out of use until a check read passes (default: 5, 0 = never, "
+        "at most 86400)",
     )
     m.add_argument(
         "--usage-file",

@@ -24,6 +24,7 @@ DEFAULT_MAX_BACKGROUND = 256
 # default: llama.cpp decoded no faster with it, reading 1.6x the bytes (pages of an extent the page
 # cache still held were read again; docs/benchmarks.md runs 38-40).
 DEFAULT_EXTENT_BUFFER_MIB = 0
+MAX_MIRROR_TIMEOUT = 86400.0  # s: longer is "for ever" (0), and a timespec must hold it
 MAX_EXTENT_BUFFER_MIB = 65536  # unit numbers are 32-bit; past this it is a typo, not a buffer
 
 
@@ -110,8 +111,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError("--threads-per-drive and --fuse-threads must be at least 1")
     if not args.usage_interval > 0:
         raise UsageError("--usage-interval must be a positive number of seconds")
-    if not args.mirror_timeout >= 0:
-        raise UsageError("--mirror-timeout must be 0 or more seconds")
+    if not 0 <= args.mirror_timeout <= MAX_MIRROR_TIMEOUT:  # also NaN; inf would overflow a timespec
+        raise UsageError(f"--mirror-timeout must be 0 (wait for ever) to {MAX_MIRROR_TIMEOUT:g} seconds")
     for value in (args.readahead_kb, args.max_background):
         if value is not None and value < 0:
             raise UsageError("--readahead-kb and --max-background must be 0 or more")

@@ -6,6 +6,7 @@ once, and tells the engine when a mirror leaves or rejoins the routing (`set_up`
 from __future__ import annotations
 
 import logging
+import resource
 from collections.abc import Awaitable, Callable, Sequence
 
 from colifs.backing import Changed
@@ -58,6 +59,19 @@ class MirrorPolicy:
             f.relpath,
             root,
             problem,
+        )
+
+    def out_of_descriptors(self, f: ServedFile, drive: int) -> None:
+        """A mirror copy could not be opened for want of descriptors: the daemon's lack, not the
+        mirror's, so nothing is counted against it; that read goes to the primary. Said once."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._warn(
+            ("out of descriptors",),
+            "out of open-file descriptors (limit %d): %s and other files are read from the primary "
+            "instead of mirror %s while they last; raise the limit (systemd: LimitNOFILE=)",
+            soft,
+            f.relpath,
+            self.replicas[drive].root,
         )
 
     def changed(self, f: ServedFile, drive: int, what: str) -> None:

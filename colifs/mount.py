@@ -9,6 +9,7 @@ import functools
 import logging
 import math
 import os
+import resource
 import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -37,6 +38,7 @@ def serve(
     io: BackingIO | None = None,
 ) -> None:
     """Build, mount and serve until unmounted or signalled; always leaves nothing mounted."""
+    raise_descriptor_limit()
     warnings = RecentWarnings()
     log.addHandler(warnings)
     try:
@@ -50,6 +52,17 @@ def serve(
     finally:
         log.removeHandler(warnings)
     log.debug("unmounted %s", cfg.mountpoint)
+
+
+def raise_descriptor_limit() -> None:
+    """The soft limit on open files up to the hard one: the daemon holds a descriptor per open
+    file per drive, and a service manager's default soft limit (systemd: 1024) is below what 600
+    shards on three drives need."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # an unlimited hard limit: the kernel's cap
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            log.debug("open files: soft limit %s -> %s", soft, hard)
 
 
 def _run(asm: Assembly, usage_interval: float, on_ready: Callable[[], None], early: list[int]) -> None:

@@ -314,6 +314,9 @@ class NativeEngine:
             log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", text)
             return
         assert f is not None
+        if kind == _native.EV_NO_FDS:
+            self.mirrors.out_of_descriptors(f, drive)
+            return
         if kind == _native.EV_PRIMARY_FAILED:
             self.stats.failed(0, text)
             self._warn((f.relpath, 0), "%s: primary read error: %s", f.relpath, text)

@@ -7,6 +7,7 @@ matched at mount, and any error or short read on it is answered by re-reading fr
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import mmap
@@ -28,6 +29,8 @@ from colifs.recorder import Tally
 from colifs.replicas import Identity, Replica, ServedFile
 from colifs.stats import Stats
 from colifs.workers import DriveWorkers, TimedOut, gather
+
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)  # an open that fails so says nothing of the mirror
 
 log = logging.getLogger("colifs")
 
@@ -127,8 +130,13 @@ class Reader:
                 fd = await self.workers[i].run(
                     open_checked, self.io, self._path(i, f), f.identities[i], on_late=self._close_late
                 )
-            except (OSError, TimedOut) as e:
-                self.mirrors.read_failed(f, i, f"cannot open ({describe(e)})", isinstance(e, TimedOut))
+            except OSError as e:
+                if e.errno in OUT_OF_DESCRIPTORS:
+                    self.mirrors.out_of_descriptors(f, i)
+                else:
+                    self.mirrors.read_failed(f, i, f"cannot open ({describe(e)})", False)
+            except TimedOut as e:
+                self.mirrors.read_failed(f, i, f"cannot open ({describe(e)})", True)
             except Changed as e:
                 self.mirrors.changed(f, i, str(e))
             else:

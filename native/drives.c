@@ -26,6 +26,7 @@ typedef struct job {
     size_t len;
     ssize_t got; /* -1: error (err) */
     int err, changed, opened_failed, done;
+    int no_fds; /* the open failed for want of descriptors: the daemon's lack, not the mirror's */
     char what[200];
     struct job *next;
 } job_t;
@@ -196,6 +197,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
     int direct;
     fd = open_backing(e, d, f->relpath, &direct);
     if (fd < 0) {
+        j->no_fds = errno == EMFILE || errno == ENFILE;
         snprintf(j->what, sizeof j->what, "cannot open %s (%s)", f->relpath, strerror(errno));
         j->opened_failed = 1;
     } else if (!same_identity(fd, &f->ident[d], j->what, sizeof j->what)) {
@@ -212,7 +214,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
         if (fd >= 0)
             f->direct[d] = direct;
         else
-            fd = FD_FAILED;
+            fd = j->no_fds ? FD_CLOSED : FD_FAILED; /* out of descriptors: tried again later */
         atomic_store(&f->fd[d], fd);
     }
     pthread_cond_broadcast(&f->opened);
@@ -651,6 +653,11 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
     const char *what = jb->what;
     char msg[200];
     uint64_t want = (pc->end < jb->f->size ? pc->end : jb->f->size) - pc->start;
+    if (jb->done && jb->no_fds) {
+        pc->status = RES_NO_FDS; /* read from the primary; nothing against the mirror's health */
+        note(nt, EV_NO_FDS, jb->drive, 0, jb->what);
+        return;
+    }
     if (!jb->done) {
         pc->status = RES_TIMEOUT;
         snprintf(msg, sizeof msg, "timeout at %llu: no answer within %g s", (unsigned long long)jb->off,
@@ -728,7 +735,8 @@ static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const readin
         int d = pc[i].drive;
         if (!d || pc[i].status == RES_OK || (pc[i].status == RES_TIMEOUT && !timeouts))
             continue;
-        atomic_fetch_add(&e->ctr.drive_errors[d], 1);
+        if (pc[i].status != RES_NO_FDS)
+            atomic_fetch_add(&e->ctr.drive_errors[d], 1);
         atomic_fetch_add(e->ctr.fallbacks, 1);
         if (pc[i].status == RES_CHANGED)
             atomic_fetch_or(&f->dropped, 1u << d);

@@ -43,6 +43,7 @@ enum event_kind {
     EV_MIRROR_CHANGED,    /* a mirror copy changed after mount: dropped for that file */
     EV_PRIMARY_FAILED,    /* the primary failed a read: the caller gets the errno */
     EV_NO_DIRECT,         /* a drive's filesystem refused O_DIRECT: read buffered */
+    EV_NO_FDS,            /* a mirror copy could not be opened for want of descriptors */
 };
 
 typedef struct {
@@ -97,7 +98,7 @@ struct stretch;
 
 /* A piece of a reading: file bytes [start, end) (BLOCK multiples but at the file's end) from one
  * drive, into dst. Set by the reading: got, status, err (the primary's errno). */
-enum { RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT };
+enum { RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT, RES_NO_FDS /* the daemon ran out of descriptors */ };
 typedef struct {
     uint64_t start, end;
     int drive; /* 0 once the primary read it (also after a mirror failed) */

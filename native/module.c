@@ -631,7 +631,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "EV_MIRROR_FAILED", EV_MIRROR_FAILED) < 0 ||
         PyModule_AddIntConstant(m, "EV_MIRROR_CHANGED", EV_MIRROR_CHANGED) < 0 ||
         PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0) {
+        PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
+        PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0) {
         Py_DECREF(m);
         return NULL;
     }

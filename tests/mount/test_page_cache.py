@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from colifs.layout import ExpertKey
-from tests.helpers import drop_file_cache, mounted, run_colifs
+from tests.helpers import drop_file_cache, mounted
 from tests.mount.test_faults import read_all, stats, through_faultfs
 from tests.mount.test_prefetch import extents_of, fused_model
 
@@ -162,11 +162,3 @@ def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, na
                 )
             control.write_text("ok")
         read_all(mnt, primary)
-
-
-def test_a_bad_buffer_size_is_one_line(tmp_path: Path) -> None:
-    (tmp_path / "p").mkdir()
-    (tmp_path / "mnt").mkdir()
-    done = run_colifs("mount", str(tmp_path / "p"), str(tmp_path / "mnt"), "--extent-buffer-mib", "-1")
-    assert done.returncode == 2, done
-    assert done.stderr.strip().count("\n") == 0 and "--extent-buffer-mib" in done.stderr
