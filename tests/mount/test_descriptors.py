@@ -34,6 +34,13 @@ def shards_of(primary: Path) -> list[Path]:
     return found
 
 
+def limited(primary: Path, mirror: Path, mnt: Path, nofile: str):
+    """The mount with its daemon started under `prlimit --nofile=SOFT:HARD`."""
+    return mounted(
+        primary, [mirror], mnt, "--weights", "1,1", colifs=["prlimit", f"--nofile={nofile}", *COLIFS]
+    )
+
+
 def soft_limit(pid: int) -> int:
     text = Path(f"/proc/{pid}/limits").read_text()
     return int(re.search(r"Max open files\s+(\d+)", text).group(1))
@@ -43,14 +50,7 @@ def test_the_soft_limit_is_raised_to_the_hard_one(many_shards, tmp_path: Path, e
     """Started with a soft limit of 64 (hard 4096): every shard open at once, the mirror serves
     each of them, nothing falls back."""
     primary, mirror = many_shards
-    with mounted(
-        primary,
-        [mirror],
-        tmp_path / "mnt",
-        "--weights",
-        "1,1",
-        colifs=["prlimit", "--nofile=64:4096", *COLIFS],
-    ) as m:
+    with limited(primary, mirror, tmp_path / "mnt", "64:4096") as m:
         assert soft_limit(m.stats()["pid"]) == 4096
         files = [open(m.path / p.name, "rb") for p in shards_of(primary)]  # noqa: SIM115
         try:
@@ -73,14 +73,7 @@ def test_running_out_of_descriptors_never_takes_a_mirror_down(
     its failures (still up, no read error), and once the files are closed it serves again."""
     primary, mirror = many_shards
     paths = shards_of(primary)
-    with mounted(
-        primary,
-        [mirror],
-        tmp_path / "mnt",
-        "--weights",
-        "1,1",
-        colifs=["prlimit", "--nofile=128:128", *COLIFS],
-    ) as m:
+    with limited(primary, mirror, tmp_path / "mnt", "128:128") as m:
         files = []
         try:
             for p in paths:
