@@ -72,9 +72,9 @@ class NativeCounters:
     """The counters the native engine writes, in memory Python owns (an anonymous mmap).
 
     Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
-    flight), mirror successes, busy time (ns with a read running); fallbacks; prefetch (bytes stored
-    ahead, prefetches, bytes asked again soon after); the extent buffer (EXTENT_BUFFER's fields);
-    per key and drive routed bytes; per key reads; per file bytes, reads.
+    flight), mirror successes, busy time (ns with a read running); fallbacks and late reads skipped;
+    prefetch (bytes stored ahead, prefetches, bytes asked again soon after); the extent buffer
+    (EXTENT_BUFFER's fields); per key and drive routed bytes; per key reads; per file bytes, reads.
     """
 
     def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
@@ -82,7 +82,7 @@ class NativeCounters:
         self.keys = list(keys)
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 6 + [1, 3, len(EXTENT_BUFFER), nk * nrep, nk, nf, nf]
+        sizes = [nrep] * 6 + [2, 3, len(EXTENT_BUFFER), nk * nrep, nk, nf, nf]
         self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
@@ -117,6 +117,12 @@ class NativeCounters:
     @property
     def fallbacks(self) -> int:
         return self._fallbacks[0]
+
+    @property
+    def late_reads_skipped(self) -> int:
+        """Mirror reads queued for a request that had given up on them (timed out) before they
+        started: never read."""
+        return self._fallbacks[1]
 
     @property
     def prefetch(self) -> dict[str, int]:

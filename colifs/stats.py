@@ -31,6 +31,9 @@ class DriveCounters(Protocol):
     def fallbacks(self) -> int: ...
 
     @property
+    def late_reads_skipped(self) -> int: ...
+
+    @property
     def layers(self) -> dict[str, list[int]]: ...
 
     @property
@@ -50,6 +53,7 @@ class Counters:
         self.reads = [0] * n
         self.read_errors = [0] * n
         self.fallbacks = 0
+        self.late_reads_skipped = 0  # a read given up on before it starts is cancelled, never run
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
         self.prefetch: dict[str, int] = {}  # the pyfuse3 engine does not prefetch
@@ -196,6 +200,7 @@ class Stats:
                 for i, (r, name) in enumerate(zip(self.replicas, self.names(), strict=True))
             ],
             "fallbacks": self.fallbacks,
+            "late_reads_skipped": self.counters.late_reads_skipped,
             "usage": self._usage(),
             "partial_mirror": self.info.partial,
             "files": {

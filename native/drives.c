@@ -290,6 +290,15 @@ static void finish_job(job_t *j) {
         pending_free(p);
 }
 
+/* The reading gave up on this job (timed out) before it started: nobody wants its bytes, and on a
+ * slow or hung mirror stale jobs would queue in front of new ones. */
+static int given_up(job_t *j) {
+    pthread_mutex_lock(&j->p->m);
+    int gone = j->p->abandoned;
+    pthread_mutex_unlock(&j->p->m);
+    return gone;
+}
+
 static void *drive_main(void *arg) {
     drive_t *dr = arg;
     for (;;) {
@@ -305,7 +314,13 @@ static void *drive_main(void *arg) {
         if (!dr->head)
             dr->tail = NULL;
         pthread_mutex_unlock(&dr->m);
-        run_job(dr->e, j);
+        if (given_up(j)) {
+            j->got = -1;
+            j->err = ECANCELED;
+            atomic_fetch_add(&dr->e->ctr.fallbacks[1], 1);
+        } else {
+            run_job(dr->e, j);
+        }
         atomic_fetch_sub(&dr->e->ctr.drive_busy[j->drive], 1);
         finish_job(j);
     }

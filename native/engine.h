@@ -156,7 +156,7 @@ typedef struct {
 typedef struct {
     _Atomic uint64_t *drive_bytes, *drive_reads, *drive_errors, *drive_busy;
     _Atomic uint64_t *drive_busy_ns;      /* time with a read running on the drive (its rate's base) */
-    _Atomic uint64_t *fallbacks;          /* [0] */
+    _Atomic uint64_t *fallbacks;          /* [0] fallbacks, [1] late mirror jobs skipped unread */
     _Atomic uint64_t *key_bytes;          /* nkeys x nrep: bytes routed per key and drive */
     _Atomic uint64_t *key_reads;          /* nkeys */
     _Atomic uint64_t *file_bytes, *file_reads; /* nfiles */
