@@ -3,6 +3,7 @@ kill -9 anywhere), bad sizes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -66,9 +67,20 @@ def test_stage_killed_at_any_moment_leaves_nothing_partial_and_resumes(tmp_path:
     before = snapshot(primary)
     budget = str(sum(p.stat().st_size for p in primary.glob("*.safetensors")) // 2)
     cmd = [*COLIFS, "stage", str(primary), str(mirror), "--budget", budget, "-q"]
+
+    def sizes() -> dict[str, int]:
+        out = {}
+        for n in os.listdir(mirror):
+            with contextlib.suppress(FileNotFoundError):  # a temporary renamed meanwhile
+                out[n] = (mirror / n).stat().st_size
+        return out
+
     kills = 0
-    for delay in (0.05, 0.2, 0.4, 0.6, 0.9, 1.3):
+    for delay in (0.0, 0.01, 0.03, 0.06, 0.1, 0.2):
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        start = sizes()
+        while proc.poll() is None and sizes() == start:  # killed mid-copy, whatever the machine's speed
+            time.sleep(0.002)
         time.sleep(delay)
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
