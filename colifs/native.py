@@ -36,12 +36,13 @@ log = logging.getLogger("colifs")
 
 MAX_REPLICAS = _native.MAX_REPLICAS
 WATCH_TICK = 0.2  # s between looks at the down mirrors (their back-off is 1 s or more)
-MEMORY_LOW, MEMORY_OK = 0.10, 0.15  # shares of the RAM available: prefetch paused below, back above
+MEMORY_LOW, MEMORY_OK = 0.10, 0.15  # shares of the RAM available: memory short below, fine above
 
 
-def prefetch_paused(paused: bool, share: float) -> bool:
-    """Whether the prefetch should be paused, `share` of the RAM being available (hysteresis)."""
-    return share < MEMORY_OK if paused else share < MEMORY_LOW
+def memory_short(short: bool, share: float) -> bool:
+    """Whether memory is short (the prefetch and the extent buffer paused), `share` of the RAM
+    being available and `short` what was decided last (hysteresis)."""
+    return share < MEMORY_OK if short else share < MEMORY_LOW
 
 
 def memory_available() -> float | None:
@@ -223,7 +224,7 @@ class NativeEngine:
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
         self.minds_memory = prefetch_max > 0 or extent_buffer_mib > 0
-        self._prefetch_paused = False
+        self._memory_short = False
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
         self._seen_ok = [0] * len(self.replicas)
@@ -386,11 +387,11 @@ class NativeEngine:
         less than MEMORY_LOW of the RAM is available (back above MEMORY_OK), and the buffer's
         unused memory goes back to the system."""
         share = memory_available()
-        if share is None or prefetch_paused(self._prefetch_paused, share) == self._prefetch_paused:
+        if share is None or memory_short(self._memory_short, share) == self._memory_short:
             return
-        self._prefetch_paused = not self._prefetch_paused
-        self.engine.set_memory_short(self._prefetch_paused)
-        state = "paused" if self._prefetch_paused else "resumed"
+        self._memory_short = not self._memory_short
+        self.engine.set_memory_short(self._memory_short)
+        state = "paused" if self._memory_short else "resumed"
         log.warning("prefetch and extent buffer %s: %.0f%% of the memory is available", state, 100 * share)
 
     async def _check_read(self, drive: int, f: ServedFile | None, offset: int) -> None:

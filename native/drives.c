@@ -742,13 +742,13 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
     return err;
 }
 
-/* Every mirror piece that failed (and, with `timeouts`, every one that timed out) is counted
- * against its drive and re-read from the primary in place. 0, or the primary's errno. */
-static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, int timeouts) {
+/* Every mirror piece that failed (and, with how->reread_timeouts, every one that timed out) is
+ * counted against its drive and re-read from the primary in place. 0, or the primary's errno. */
+static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how) {
     int err = 0;
     for (size_t i = 0; i < n; i++) {
         int d = pc[i].drive;
-        if (!d || pc[i].status == RES_OK || (pc[i].status == RES_TIMEOUT && !timeouts))
+        if (!d || pc[i].status == RES_OK || (pc[i].status == RES_TIMEOUT && !how->reread_timeouts))
             continue;
         if (pc[i].status != RES_NO_FDS)
             atomic_fetch_add(&e->ctr.drive_errors[d], 1);
@@ -797,14 +797,7 @@ int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *
         if (pc[i].drive && pc[i].status == RES_OK)
             landed(e, how, pc, i);
     if (!err)
-        err = fall_back(e, f, pc, n, how, 0);
-    if (err)
-        note_primary(e, pc, n, nt);
-    return err;
-}
-
-int read_timed_out(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt) {
-    int err = fall_back(e, f, pc, n, how, 1);
+        err = fall_back(e, f, pc, n, how);
     if (err)
         note_primary(e, pc, n, nt);
     return err;
@@ -870,12 +863,10 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
     size_t n = plan_runs(e, f, start, end, stop, from, via < 0, pc); /* via < 0: a stretch's mirror failed */
     for (size_t i = 0; i < n; i++)
         pc[i].dst = buf + (pc[i].start - start);
-    reading_t how = {.abandon = relocate, .release = release_buffer, .arg = &mem, .count_from = from,
-                     .count_to = end};
+    reading_t how = {.abandon = relocate, .release = release_buffer, .arg = &mem, .reread_timeouts = 1,
+                     .count_from = from, .count_to = end};
     err = read_pieces(e, f, pc, n, &how, &nt);
     buf = mem.buf; /* another one if some mirror pieces timed out */
-    if (!err)
-        err = read_timed_out(e, f, pc, n, &how, &nt);
     for (size_t i = 0; i < n && !err; i++) {
         valid += (uint64_t)pc[i].got;
         if ((uint64_t)pc[i].got < pc[i].end - pc[i].start)

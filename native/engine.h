@@ -126,6 +126,7 @@ typedef struct {
     int (*abandon)(void *arg, piece_t *pc, size_t n, void **release_arg);
     void (*release)(void *arg);
     void *arg;
+    int reread_timeouts; /* timed-out pieces too are read from the primary (abandon moved them) */
     uint64_t count_from, count_to;
 } reading_t;
 
@@ -247,12 +248,10 @@ size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
                  int primary_only, piece_t *runs);
 /* Read the pieces (their dst set): mirrors on their drives' threads, the primary inline, failed
- * mirror pieces again from the primary (in place); timed-out ones are left RES_TIMEOUT (their
- * memory went to the late jobs through how->abandon). 0, or the errno the caller gets. What
- * failed is noted in nt, for send_notes once the caller holds no lock and has replied. */
+ * mirror pieces again from the primary (in place); timed-out ones too with how->reread_timeouts,
+ * else they are left RES_TIMEOUT (their memory is the late jobs'). 0, or the errno the caller
+ * gets. What failed is noted in nt, for send_notes once the caller holds no lock and has replied. */
 int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt);
-int read_timed_out(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how,
-                   notes_t *nt); /* the RES_TIMEOUT pieces, from the primary */
 void send_notes(engine_t *e, file_t *f, notes_t *nt);
 uint64_t mono_ns(void);
 

@@ -63,12 +63,12 @@ def test_as_dict_says_state_and_why() -> None:
 
 
 @pytest.mark.parametrize(
-    ("paused", "share", "after"),
+    ("short", "share", "after"),
     [(False, 0.5, False), (False, 0.09, True), (True, 0.12, True), (True, 0.16, False), (False, 0.12, False)],
 )
-def test_prefetch_pauses_while_memory_is_short(paused: bool, share: float, after: bool) -> None:
-    from colifs.native import memory_available, prefetch_paused
+def test_prefetch_pauses_while_memory_is_short(short: bool, share: float, after: bool) -> None:
+    from colifs.native import memory_available, memory_short
 
-    assert prefetch_paused(paused, share) is after
+    assert memory_short(short, share) is after
     now = memory_available()
     assert now is not None and 0 < now <= 1
