@@ -59,7 +59,8 @@ setup(
     ext_modules=[
         Extension(
             "colifs._native",
-            sources=["native/module.c", "native/fs.c", "native/drives.c", "native/stretch.c", "native/prefetch.c"],
+            sources=["native/module.c", "native/fs.c", "native/drives.c", "native/stretch.c", "native/prefetch.c",
+                     "native/passthrough.c"],
             depends=["native/engine.h"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit"],
         )

@@ -228,6 +228,7 @@ class _Parts:
             mirror_timeout=cfg.mirror_timeout,
             prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
             extent_buffer_mib=cfg.extent_buffer_mib,
+            passthrough=cfg.passthrough,
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)

@@ -103,6 +103,14 @@ def parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_EXTENT_BUFFER_MIB} = off: no faster with llama.cpp, see docs/benchmarks.md)",
     )
     m.add_argument(
+        "--passthrough",
+        action="store_true",
+        help="native engine, Linux 6.9+: page-cache opens (mmap, buffered; not O_DIRECT) are read by the "
+        "kernel from the primary itself (FUSE passthrough): the fast drive's own speed at no daemon "
+        "CPU, without the mirrors' bandwidth; for drives faster than the daemon can copy "
+        "(see docs/benchmarks.md); what they read is not in the per-drive counts",
+    )
+    m.add_argument(
         "--engine",
         choices=ENGINES,
         default=os.environ.get(ENGINE_ENV, ENGINES[0]),

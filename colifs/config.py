@@ -42,6 +42,7 @@ class MountConfig:
     routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
     prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
     extent_buffer_mib: int = DEFAULT_EXTENT_BUFFER_MIB  # native engine: whole-extent reads (0: off)
+    passthrough: bool = False  # native engine: page-cache opens read by the kernel from the primary
     engine: str = "native"  # or "pyfuse3": the portable reference engine
     fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
     knobs: Knobs = field(
@@ -90,6 +91,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         routing=args.routing,
         prefetch=args.prefetch,
         extent_buffer_mib=args.extent_buffer_mib,
+        passthrough=args.passthrough,
         engine=args.engine,
         fuse_threads=args.fuse_threads,
         knobs=Knobs(
@@ -116,6 +118,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for value in (args.readahead_kb, args.max_background):
         if value is not None and value < 0:
             raise UsageError("--readahead-kb and --max-background must be 0 or more")
+    if args.passthrough and args.engine != "native":
+        raise UsageError("--passthrough needs the native engine (--engine native)")
     if not 0 <= args.extent_buffer_mib <= MAX_EXTENT_BUFFER_MIB:
         raise UsageError(f"--extent-buffer-mib must be 0 to {MAX_EXTENT_BUFFER_MIB} (MiB)")
 

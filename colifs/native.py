@@ -66,6 +66,9 @@ EXTENT_BUFFER = (
     "stretches_not_started_buffer_full",
 )
 
+# native/engine.h counters_t.passthrough, in order.
+PASSTHROUGH = ("kernel_agreed", "page_cache_opens_passed_through", "page_cache_opens_served")
+
 _KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
 
 
@@ -75,7 +78,8 @@ class NativeCounters:
     Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
     flight), mirror successes, busy time (ns with a read running); fallbacks and late reads skipped;
     prefetch (bytes stored ahead, prefetches, bytes asked again soon after); the extent buffer
-    (EXTENT_BUFFER's fields); per key and drive routed bytes; per key reads; per file bytes, reads.
+    (EXTENT_BUFFER's fields); passthrough (PASSTHROUGH's fields); per key and drive routed bytes;
+    per key reads; per file bytes, reads.
     """
 
     def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
@@ -83,7 +87,7 @@ class NativeCounters:
         self.keys = list(keys)
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 6 + [2, 3, len(EXTENT_BUFFER), nk * nrep, nk, nf, nf]
+        sizes = [nrep] * 6 + [2, 3, len(EXTENT_BUFFER), len(PASSTHROUGH), nk * nrep, nk, nf, nf]
         self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
@@ -91,8 +95,8 @@ class NativeCounters:
             views.append(words[at : at + n])
             at += n
         (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._busy_ns,
-         self._fallbacks, self._prefetch, self._stretch, self._key_bytes, self._key_reads, self._file_bytes,
-         self._file_reads) = views  # fmt: skip
+         self._fallbacks, self._prefetch, self._stretch, self._passthrough, self._key_bytes, self._key_reads,
+         self._file_bytes, self._file_reads) = views  # fmt: skip
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
         self._taken_keys = [0] * (2 * nk)
         self._taken_files = [0] * (2 * nf)
@@ -133,6 +137,11 @@ class NativeCounters:
     @property
     def extent_buffer(self) -> dict[str, int]:
         return dict(zip(EXTENT_BUFFER, self._stretch.tolist(), strict=True))
+
+    @property
+    def passthrough(self) -> dict[str, int]:
+        """Opens the kernel reads from the primary itself: what they read is in no other counter."""
+        return dict(zip(PASSTHROUGH, self._passthrough.tolist(), strict=True))
 
     @property
     def layers(self) -> dict[str, list[int]]:
@@ -210,6 +219,7 @@ class NativeEngine:
         mirror_timeout: float | None,
         prefetch_max: int = 0,
         extent_buffer_mib: int = 0,
+        passthrough: bool = False,
     ) -> None:
         self.replicas: list[Replica] = ns.replicas
         if len(self.replicas) > MAX_REPLICAS:
@@ -254,6 +264,7 @@ class NativeEngine:
             prefetch_max=prefetch_max,
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
             stretch_units=extent_buffer_mib,
+            passthrough=passthrough,
         )
 
     # -- tables ------------------------------------------------------------------------------
@@ -319,6 +330,9 @@ class NativeEngine:
     ) -> None:
         if kind == _native.EV_NO_DIRECT:
             log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", text)
+            return
+        if kind == _native.EV_NO_PASSTHROUGH:
+            log.warning("--passthrough: %s; page-cache opens are served by the daemon", text)
             return
         assert f is not None
         if kind == _native.EV_NO_FDS:

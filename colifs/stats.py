@@ -42,6 +42,9 @@ class DriveCounters(Protocol):
     @property
     def extent_buffer(self) -> dict[str, int]: ...
 
+    @property
+    def passthrough(self) -> dict[str, int]: ...
+
     def failed(self, drive: int) -> None: ...
 
 
@@ -58,6 +61,7 @@ class Counters:
         self.layers: dict[str, list[int]] = {}
         self.prefetch: dict[str, int] = {}  # the pyfuse3 engine does not prefetch
         self.extent_buffer: dict[str, int] = {}  # nor buffer whole extents
+        self.passthrough: dict[str, int] = {}  # nor pass opens through to the kernel
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -178,6 +182,7 @@ class Stats:
             "engine": self.info.engine,
             "prefetch": self.counters.prefetch,
             "extent_buffer": self.counters.extent_buffer,
+            "passthrough": self.counters.passthrough,
             "kernel": self._kernel(),
             "probe": list(self.info.probe),
             "balance": balance,

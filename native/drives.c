@@ -137,8 +137,14 @@ int open_backing(engine_t *e, int drive, const char *relpath, int *direct) {
 }
 
 int file_open(engine_t *e, file_t *f) {
-    int err = 0;
     pthread_mutex_lock(&f->lock);
+    int err = file_open_locked(e, f);
+    pthread_mutex_unlock(&f->lock);
+    return err;
+}
+
+int file_open_locked(engine_t *e, file_t *f) {
+    int err = 0;
     if (f->refs == 0) {
         int direct;
         int fd = open_backing(e, 0, f->relpath, &direct);
@@ -151,7 +157,6 @@ int file_open(engine_t *e, file_t *f) {
     }
     if (!err)
         f->refs++;
-    pthread_mutex_unlock(&f->lock);
     return err;
 }
 

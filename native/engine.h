@@ -8,6 +8,7 @@
  * and keeps shared counters that Python reads.
  *
  * Files: fs.c (the FUSE handlers), drives.c (per-drive threads and the read fan-out),
+ * passthrough.c (page-cache opens the kernel reads from the primary itself),
  * stretch.c (whole-extent reads that answer page-cache readers from a bounded buffer),
  * prefetch.c (expert-aware read-ahead into the page cache), module.c (the Python type that
  * builds the tables and runs the loop).
@@ -44,6 +45,7 @@ enum event_kind {
     EV_PRIMARY_FAILED,    /* the primary failed a read: the caller gets the errno */
     EV_NO_DIRECT,         /* a drive's filesystem refused O_DIRECT: read buffered */
     EV_NO_FDS,            /* a mirror copy could not be opened for want of descriptors */
+    EV_NO_PASSTHROUGH,    /* the kernel refused passthrough: page-cache opens are served */
 };
 
 typedef struct {
@@ -91,6 +93,9 @@ typedef struct {
     uint64_t generation;   /* +1 each time the last open is released: a late open is then closed */
     _Atomic int fd[MAX_REPLICAS];
     int direct[MAX_REPLICAS];
+    /* The kernel's opens of the file, by mode (passthrough.c: all in one mode at a time). */
+    int served_opens, pt_opens;
+    int32_t backing_id; /* the kernel's id of the primary's copy while pt_opens > 0 */
 } file_t;
 
 struct job;
@@ -168,6 +173,9 @@ typedef struct {
                                              [2] requests answered from one, [3] of them waited for its
                                              read, [4] bytes answered, [5] bytes held now, [6] stretches
                                              not started (the buffer was full) */
+    _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once the kernel agreed at INIT,
+                                             [1] page-cache opens passed through, [2] page-cache opens served
+                                             (their file was open for served reads, or refused) */
 } counters_t;
 
 typedef struct engine {
@@ -181,6 +189,9 @@ typedef struct engine {
     uint64_t prefetch_max;     /* bytes an expert's first page-cache read may read ahead; 0: off */
     _Atomic int prefetch_paused; /* by Python, while memory is short */
     uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys prefetch works on) */
+    int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */
+    _Atomic uint64_t pt_init_unique; /* the INIT request, if it offered passthrough */
+    _Atomic int pt_refused;    /* the kernel refused a backing file: never asked again */
 
     node_t *nodes;             /* sorted by ino */
     size_t nnodes;
@@ -264,10 +275,19 @@ void stretch_pause(engine_t *e, int paused);
  * from the primary). */
 int stretch_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
 int file_open(engine_t *e, file_t *f);
+int file_open_locked(engine_t *e, file_t *f); /* f->lock held */
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
 int set_routes(engine_t *e, const uint8_t *data, size_t len); /* 0, or -1 when they are invalid */
 uint32_t segment_at(const file_t *f, uint64_t off); /* the run-table segment holding off */
+
+/* passthrough.c */
+int passthrough_setup(engine_t *e); /* after fuse_session_mount; 0 or an errno */
+/* A kernel open of f: whether it passes through (*backing_id > 0, for passthrough_reply_next) or is
+ * served; either holds a descriptor reference (file_open). 0 or an errno. */
+int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id);
+void file_release_kernel(engine_t *e, file_t *f, int passed);
+void passthrough_reply_next(int32_t backing_id); /* the open reply this thread writes next; 0: none */
 
 /* prefetch.c */
 int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_t *from, uint64_t *to);

@@ -19,6 +19,7 @@ typedef struct {
     char *data; /* control files: the snapshot taken at open */
     size_t len;
     int cached; /* opened without O_DIRECT: its reads fill the page cache (prefetch helps them) */
+    int passed; /* passed through: the kernel reads the primary itself (passthrough.c) */
 } handle_t;
 
 static engine_t *eng(fuse_req_t req) { return fuse_req_userdata(req); }
@@ -176,7 +177,8 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
         fi->keep_cache = 0;
     } else if (n->file >= 0) {
         file_t *f = &e->files[n->file];
-        int err = file_open(e, f);
+        int32_t backing = 0;
+        int err = file_open_kernel(e, f, !(fi->flags & O_DIRECT), &backing);
         if (err) {
             free(h);
             fuse_reply_err(req, err);
@@ -185,16 +187,26 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
         h->kind = H_FILE;
         h->f = f;
         h->cached = !(fi->flags & O_DIRECT);
-        fi->keep_cache = 1; /* the files are immutable: the page cache stays valid across opens */
+        h->passed = backing > 0;
+        passthrough_reply_next(backing);
+        /* The files are immutable: the page cache stays valid across opens. A passed-through open
+         * has none of its own (and the kernel refuses it with FOPEN_KEEP_CACHE). */
+        fi->keep_cache = !h->passed;
+        /* An O_DIRECT open of a file open passed through must pass through too (passthrough.c);
+         * FOPEN_DIRECT_IO has its reads come here all the same, read as any O_DIRECT read (the
+         * backing file would ask the caller for aligned buffers). */
+        fi->direct_io = h->passed && !h->cached;
     } else {
         free(h);
         fuse_reply_err(req, n->kind == NODE_DIR || n->kind == NODE_CONTROL_DIR ? EISDIR : EINVAL);
         return;
     }
     fi->fh = (uint64_t)(uintptr_t)h;
-    if (fuse_reply_open(req, fi) != 0) { /* the opener is gone (interrupted): nobody will release */
+    int sent = fuse_reply_open(req, fi);
+    passthrough_reply_next(0);
+    if (sent != 0) { /* the opener is gone (interrupted): nobody will release */
         if (h->kind == H_FILE)
-            file_release(e, h->f);
+            file_release_kernel(e, h->f, h->passed);
         free(h->data);
         free(h);
     }
@@ -215,7 +227,7 @@ static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     (void)ino;
     handle_t *h = (handle_t *)(uintptr_t)fi->fh;
     if (h->kind == H_FILE)
-        file_release(eng(req), h->f);
+        file_release_kernel(eng(req), h->f, h->passed);
     free(h->data);
     free(h);
     fuse_reply_err(req, 0);

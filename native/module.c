@@ -287,7 +287,7 @@ static int load_files(engine_t *e, PyObject *files) {
 /* The counters live in memory Python owns, laid out as colifs.native.NativeCounters says. */
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t r = (size_t)e->nrep;
-    size_t words = 6 * r + 2 + 3 + 7 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 6 * r + 2 + 3 + 7 + 3 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -303,6 +303,7 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     e->ctr.fallbacks = p, p += 2;
     e->ctr.prefetch = p, p += 3;
     e->ctr.stretch = p, p += 7;
+    e->ctr.passthrough = p, p += 3;
     e->ctr.key_bytes = p, p += e->nkeys * r;
     e->ctr.key_reads = p, p += e->nkeys;
     e->ctr.file_bytes = p, p += e->nfiles;
@@ -315,7 +316,8 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
-                            "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", "stretch_units", NULL};
+                            "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", "stretch_units",
+                            "passthrough", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters;
     int direct, fuse_threads, drive_threads;
@@ -323,15 +325,16 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     Py_ssize_t nkeys;
     unsigned long long prefetch_max = 0;
     Py_ssize_t stretch_units = 0;
+    int passthrough = 0;
     Py_buffer experts = {0}, routes = {0};
     if (self->e.nrep) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*n", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*np", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event,
-                                     &routes, &prefetch_max, &experts, &stretch_units))
+                                     &routes, &prefetch_max, &experts, &stretch_units, &passthrough))
         return -1;
     uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
     size_t route_len = (size_t)routes.len;
@@ -382,6 +385,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
             return -1;
     }
     e->direct_io = direct;
+    e->passthrough = passthrough;
     e->fuse_threads = fuse_threads;
     e->drive_threads = drive_threads;
     e->mirror_timeout = timeout;
@@ -440,6 +444,10 @@ static PyObject *Engine_mount(EngineObject *self, PyObject *unused) {
         return NULL;
     }
     self->mounted = 1;
+    if (e->passthrough && (res = passthrough_setup(e)) != 0) {
+        errno = res;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     /* The drives' threads take no signals: those are the main thread's (Python handles them). */
     sigset_t all, old;
     sigfillset(&all);
@@ -632,7 +640,8 @@ PyMODINIT_FUNC PyInit__native(void) {
         PyModule_AddIntConstant(m, "EV_MIRROR_CHANGED", EV_MIRROR_CHANGED) < 0 ||
         PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
         PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
-        PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0) {
+        PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0 ||
+        PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -39,6 +39,8 @@ CONFIGS = (
     "defaults",
     "fastonly",
     "buffer",
+    "passthrough",
+    "passthrough512",
     "threads4",
     "prefetch",
     "expert",
@@ -80,6 +82,10 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "fastonly": Config("colifs, fast drive only (defaults)", [], 128, drives=1),
         "buffer": Config(
             "colifs, both, --extent-buffer-mib 64", ["--weights", w, "--extent-buffer-mib", "64"], 128
+        ),
+        "passthrough": Config("colifs, both, --passthrough", ["--weights", w, "--passthrough"], 128),
+        "passthrough512": Config(
+            "colifs, both, --passthrough, drive readahead 512 KiB", ["--weights", w, "--passthrough"], 512
         ),
         "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
         "prefetch": Config(

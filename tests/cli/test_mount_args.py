@@ -27,3 +27,12 @@ def test_a_bad_number_is_one_line(tmp_path: Path, flag: str, value: str) -> None
     assert done.returncode == 2, done
     assert done.stderr.count("\n") == 1 and flag in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_passthrough_needs_the_native_engine(tmp_path: Path) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "mnt").mkdir()
+    args = ("--engine", "pyfuse3", "--passthrough")
+    done = run_colifs("mount", str(tmp_path / "p"), str(tmp_path / "mnt"), *args)
+    assert done.returncode == 2, done
+    assert done.stderr.count("\n") == 1 and "--passthrough" in done.stderr, done.stderr

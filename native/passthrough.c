@@ -1,0 +1,193 @@
+/* Passthrough for page-cache opens (--passthrough): the kernel reads the primary's file itself
+ * (FUSE passthrough, Linux 6.9+), so an mmap or buffered reader gets the primary's own speed with
+ * no request, no copy and no daemon CPU. It does not get the mirrors' bandwidth, and what it reads
+ * is not counted (the daemon never sees it).
+ *
+ * libfuse 3.14 has no API for it (3.17 has fuse_passthrough_open): two hooks on the session's
+ * device I/O (fuse_session_custom_io, libfuse 3.13+) ask for it in the INIT reply (flags2
+ * FUSE_PASSTHROUGH, max_stack_depth 1) and set an open reply's FOPEN_PASSTHROUGH and backing id.
+ * Both replies are written by the thread that calls fuse_reply_*, so a thread-local tells the hook
+ * which open reply to change.
+ *
+ * The kernel's rules (fs/fuse/iomode.c): while an inode has an open passed through, every other
+ * open of it must pass through to the same backing file, and while it has opens served by the
+ * daemon, none may pass through (the open fails with EIO otherwise). So the mode is the file's:
+ * the first open picks it (passed through if it reads through the page cache), the others follow
+ * it while any is open (an O_DIRECT open of a file passed through is one too, with FOPEN_DIRECT_IO:
+ * the kernel then sends its reads here all the same). f->lock guards the counts (served_opens, pt_opens) and backing_id. The
+ * daemon's counts never lag behind the kernel's: it counts an open before replying, and the kernel
+ * drops an open's mode before it sends its RELEASE.
+ */
+#define _GNU_SOURCE
+#include "engine.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* The kernel's ABI (include/uapi/linux/fuse.h, protocol 7.40): libfuse 3.14 ships none of it. */
+struct in_header {
+    uint32_t len, opcode;
+    uint64_t unique, nodeid;
+    uint32_t uid, gid, pid;
+    uint16_t total_extlen, padding;
+};
+struct out_header {
+    uint32_t len;
+    int32_t error;
+    uint64_t unique;
+};
+struct init_in {
+    uint32_t major, minor, max_readahead, flags, flags2;
+};
+struct init_out {
+    uint32_t major, minor, max_readahead, flags;
+    uint16_t max_background, congestion_threshold;
+    uint32_t max_write, time_gran;
+    uint16_t max_pages, map_alignment;
+    uint32_t flags2, max_stack_depth;
+    uint16_t request_timeout, unused[11];
+};
+struct open_out {
+    uint64_t fh;
+    uint32_t open_flags;
+    int32_t backing_id;
+};
+struct backing_map {
+    int32_t fd;
+    uint32_t flags;
+    uint64_t padding;
+};
+#define OP_INIT 26
+#define INIT_EXT (1u << 30)
+#define INIT2_PASSTHROUGH (1u << (37 - 32)) /* FUSE_PASSTHROUGH, in flags2 */
+#define OPEN_PASSTHROUGH (1u << 7)          /* FOPEN_PASSTHROUGH */
+#define IOC_BACKING_OPEN _IOW(229, 1, struct backing_map)
+#define IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
+
+_Static_assert(sizeof(struct in_header) == 40, "fuse_in_header");
+_Static_assert(sizeof(struct init_out) == 64, "fuse_init_out");
+_Static_assert(sizeof(struct open_out) == 16, "fuse_open_out");
+
+static __thread int32_t open_reply_backing; /* > 0: the open reply this thread writes next passes through */
+
+/* The INIT request: remember it if the kernel offers passthrough (its reply is then changed), say
+ * so if it does not. */
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
+    engine_t *e = userdata;
+    ssize_t n = read(fd, buf, len);
+    const struct in_header *h = buf;
+    if (n < (ssize_t)(sizeof *h + sizeof(struct init_in)) || h->opcode != OP_INIT)
+        return n;
+    const struct init_in *in = (const void *)(h + 1);
+    if ((in->flags & INIT_EXT) && (in->flags2 & INIT2_PASSTHROUGH)) {
+        atomic_store(&e->pt_init_unique, h->unique);
+    } else if (!atomic_exchange(&e->pt_refused, 1)) {
+        int saved = errno;
+        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1,
+                 "the kernel does not offer it (Linux 6.9 or newer with CONFIG_FUSE_PASSTHROUGH)", 0, 0);
+        errno = saved;
+    }
+    return n;
+}
+
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata) {
+    engine_t *e = userdata;
+    int32_t backing = open_reply_backing;
+    open_reply_backing = 0;
+    const struct out_header *h = iov[0].iov_base;
+    if (count == 2 && iov[0].iov_len == sizeof *h && h->error == 0) {
+        uint64_t init = atomic_load(&e->pt_init_unique);
+        if (backing > 0 && iov[1].iov_len == sizeof(struct open_out)) {
+            struct open_out *o = iov[1].iov_base;
+            o->open_flags |= OPEN_PASSTHROUGH;
+            o->backing_id = backing;
+        } else if (init && h->unique == init && iov[1].iov_len == sizeof(struct init_out)) {
+            struct init_out *o = iov[1].iov_base;
+            o->flags |= INIT_EXT;
+            o->flags2 |= INIT2_PASSTHROUGH;
+            o->max_stack_depth = 1; /* the primary's filesystem may not stack on another */
+            atomic_store(&e->ctr.passthrough[0], 1);
+        }
+    }
+    return writev(fd, iov, count);
+}
+
+int passthrough_setup(engine_t *e) {
+#if FUSE_VERSION >= FUSE_MAKE_VERSION(3, 13)
+    static const struct fuse_custom_io io = {.read = io_read, .writev = io_writev};
+    return -fuse_session_custom_io(e->se, &io, fuse_session_fd(e->se));
+#else
+    (void)e, (void)io_read, (void)io_writev;
+    return ENOTSUP;
+#endif
+}
+
+/* A backing id for the primary's copy of f, or -errno. The kernel keeps the file: the descriptor
+ * is closed here. */
+static int32_t backing_open(engine_t *e, file_t *f) {
+    char path[PATH_MAX];
+    if (snprintf(path, sizeof path, "%s/%s", e->roots[0], f->relpath) >= (int)sizeof path)
+        return -ENAMETOOLONG;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -errno;
+    struct backing_map map = {.fd = fd};
+    int id = ioctl(fuse_session_fd(e->se), IOC_BACKING_OPEN, &map);
+    int err = errno;
+    close(fd);
+    return id > 0 ? id : -err;
+}
+
+int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
+    *backing_id = 0;
+    int refused = 0;
+    pthread_mutex_lock(&f->lock);
+    int pass = f->pt_opens > 0 ||
+               (cached && e->passthrough && !atomic_load(&e->pt_refused) && f->served_opens == 0 &&
+                atomic_load(&e->ctr.passthrough[0]));
+    if (pass && f->pt_opens == 0) {
+        int32_t id = backing_open(e, f);
+        if (id > 0)
+            f->backing_id = id;
+        else
+            pass = 0, refused = id == -EPERM && !atomic_exchange(&e->pt_refused, 1);
+    }
+    int err = file_open_locked(e, f);
+    if (!err && pass) {
+        f->pt_opens++;
+        *backing_id = f->backing_id;
+        if (cached)
+            atomic_fetch_add(&e->ctr.passthrough[1], 1);
+    } else if (!err) {
+        f->served_opens++;
+        if (cached && e->passthrough)
+            atomic_fetch_add(&e->ctr.passthrough[2], 1);
+    } else if (pass && f->pt_opens == 0) {
+        ioctl(fuse_session_fd(e->se), IOC_BACKING_CLOSE, &(uint32_t){(uint32_t)f->backing_id});
+        f->backing_id = 0;
+    }
+    pthread_mutex_unlock(&f->lock);
+    if (refused)
+        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, "the kernel refused a backing file (EPERM)", 0, 0);
+    return err;
+}
+
+void file_release_kernel(engine_t *e, file_t *f, int passed) {
+    pthread_mutex_lock(&f->lock);
+    if (!passed) {
+        f->served_opens--;
+    } else if (--f->pt_opens == 0) {
+        ioctl(fuse_session_fd(e->se), IOC_BACKING_CLOSE, &(uint32_t){(uint32_t)f->backing_id});
+        f->backing_id = 0;
+    }
+    pthread_mutex_unlock(&f->lock);
+    file_release(e, f);
+}
+
+void passthrough_reply_next(int32_t backing_id) { open_reply_backing = backing_id; }
