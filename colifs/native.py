@@ -67,7 +67,7 @@ EXTENT_BUFFER = (
 )
 
 # native/engine.h counters_t.passthrough, in order.
-PASSTHROUGH = ("kernel_agreed", "page_cache_opens_passed_through", "page_cache_opens_served")
+PASSTHROUGH = ("asked_at_init", "page_cache_opens_passed_through", "page_cache_opens_served")
 
 _KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
 

@@ -22,8 +22,6 @@
 #include "engine.h"
 
 #include <errno.h>
-#include <fcntl.h>
-#include <limits.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/ioctl.h>
@@ -128,38 +126,42 @@ int passthrough_setup(engine_t *e) {
 #endif
 }
 
-/* A backing id for the primary's copy of f, or -errno. The kernel keeps the file: the descriptor
- * is closed here. */
+/* A backing id for the primary's copy of f (open: f->fd[0] is), or -errno. The kernel opens its
+ * own file from it, with each caller's flags. */
 static int32_t backing_open(engine_t *e, file_t *f) {
-    char path[PATH_MAX];
-    if (snprintf(path, sizeof path, "%s/%s", e->roots[0], f->relpath) >= (int)sizeof path)
-        return -ENAMETOOLONG;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return -errno;
-    struct backing_map map = {.fd = fd};
+    struct backing_map map = {.fd = atomic_load(&f->fd[0])};
     int id = ioctl(fuse_session_fd(e->se), IOC_BACKING_OPEN, &map);
-    int err = errno;
-    close(fd);
-    return id > 0 ? id : -err;
+    return id > 0 ? id : -errno;
+}
+
+enum { SERVED, PASSED };
+
+/* The mode of a kernel open of f (f->lock held, f open): PASSED or SERVED. A refusal that would
+ * repeat (no CAP_SYS_ADMIN, a primary on a stacked filesystem: ELOOP) stops passthrough for the
+ * mount, said once in why; running out of descriptors or memory does not. */
+static int mode_for(engine_t *e, file_t *f, int cached, char *why, size_t n) {
+    if (f->pt_opens > 0)
+        return PASSED;
+    if (!cached || !e->passthrough || f->served_opens > 0 || atomic_load(&e->pt_refused) ||
+        !atomic_load(&e->ctr.passthrough[0]))
+        return SERVED;
+    int32_t id = backing_open(e, f);
+    if (id > 0) {
+        f->backing_id = id;
+        return PASSED;
+    }
+    if (id != -EMFILE && id != -ENFILE && id != -ENOMEM && !atomic_exchange(&e->pt_refused, 1))
+        snprintf(why, n, "the kernel refused %s/%s as a backing file (%s)", e->roots[0], f->relpath,
+                 strerror(-id));
+    return SERVED;
 }
 
 int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
+    char why[512] = "";
     *backing_id = 0;
-    int refused = 0;
     pthread_mutex_lock(&f->lock);
-    int pass = f->pt_opens > 0 ||
-               (cached && e->passthrough && !atomic_load(&e->pt_refused) && f->served_opens == 0 &&
-                atomic_load(&e->ctr.passthrough[0]));
-    if (pass && f->pt_opens == 0) {
-        int32_t id = backing_open(e, f);
-        if (id > 0)
-            f->backing_id = id;
-        else
-            pass = 0, refused = id == -EPERM && !atomic_exchange(&e->pt_refused, 1);
-    }
     int err = file_open_locked(e, f);
-    if (!err && pass) {
+    if (!err && mode_for(e, f, cached, why, sizeof why) == PASSED) {
         f->pt_opens++;
         *backing_id = f->backing_id;
         if (cached)
@@ -168,13 +170,10 @@ int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
         f->served_opens++;
         if (cached && e->passthrough)
             atomic_fetch_add(&e->ctr.passthrough[2], 1);
-    } else if (pass && f->pt_opens == 0) {
-        ioctl(fuse_session_fd(e->se), IOC_BACKING_CLOSE, &(uint32_t){(uint32_t)f->backing_id});
-        f->backing_id = 0;
     }
     pthread_mutex_unlock(&f->lock);
-    if (refused)
-        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, "the kernel refused a backing file (EPERM)", 0, 0);
+    if (why[0])
+        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, why, 0, 0);
     return err;
 }
 

@@ -54,7 +54,7 @@ def test_page_cache_readers_read_the_primary_through_the_kernel(fused, tmp_path:
         with open(via, "rb", buffering=0) as f:
             assert f.read() == want
         pt = m.stats()["passthrough"]  # drop_file_cache opened it too
-        assert pt == {"kernel_agreed": 1, "page_cache_opens_passed_through": 3, "page_cache_opens_served": 0}
+        assert pt == {"asked_at_init": 1, "page_cache_opens_passed_through": 3, "page_cache_opens_served": 0}
         assert served(m) == 0  # the daemon read nothing: in no per-drive count
 
 
@@ -150,3 +150,20 @@ def test_opens_of_every_kind_at_once_never_fail_nor_differ(fused, tmp_path: Path
         assert not errors, errors[:3]
         pt = m.stats()["passthrough"]
         assert pt["page_cache_opens_passed_through"] >= 3 and pt["page_cache_opens_served"] >= 3, pt
+
+
+@pytest.mark.daemon_warns(r"--passthrough: the kernel refused .* as a backing file")
+def test_a_primary_the_kernel_refuses_to_pass_through_is_served(fused, tmp_path: Path) -> None:
+    """A primary on a stacked filesystem (here another mount that passes through, so one level
+    deep already) cannot back a passthrough open (ELOOP): one warning, and its opens are served."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    with mounted(primary, [], tmp_path / "below", "--passthrough") as below:
+        with mounted(below.path, [mirror], tmp_path / "mnt", *PT) as m:
+            via = m.path / model.name
+            for _ in range(2):
+                with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                    assert mm[:] == want
+            pt = m.stats()["passthrough"]
+            assert pt["page_cache_opens_passed_through"] == 0 and pt["page_cache_opens_served"] == 2, pt
+            assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
