@@ -80,11 +80,11 @@ def assemble(
 ) -> Assembly:
     """Check the paths, build the catalogue and routing, and wire the engine `cfg` names. `io` is the
     pyfuse3 engine's backing I/O (tests inject faults there); `warnings` feeds stats.json."""
-    replicas = check_roots([cfg.primary, *cfg.mirrors], cfg.weights)
+    replicas = check_roots([cfg.primary, *cfg.mirrors], cfg.weights, revision=cfg.revision)
     mnt = check_mountpoint(cfg.mountpoint, [r.root for r in replicas])
     usage_path = usage_file(cfg.usage, cfg.usage_file, replicas)
     t0 = time.monotonic()
-    tree = Tree(replicas[0].root, hidden(usage_path, replicas[0].root))
+    tree = Tree(replicas[0].root, hidden(usage_path, replicas[0].root), cfg.store_roots)
     files = build_files(tree, replicas)
     history, saving = load_history(usage_path)
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from colifs.buffers import align_down, align_up
-from colifs.formats import format_of
+from colifs.formats import format_for
 from colifs.layout import ExpertKey, LayoutError
 from colifs.moe import Configs
 from colifs.routing import pick, positions
@@ -43,8 +43,8 @@ def find_experts(root: str) -> list[Expert]:
     ranges: dict[ExpertKey, list[tuple[str, int, int]]] = {}
     configs = Configs(root)
     for path in sorted(Path(root).rglob("*")):
-        fmt = format_of(path.name)
-        if fmt is None or not path.is_file():
+        fmt = format_for(str(path)) if path.is_file() else None
+        if fmt is None:
             continue
         rel = str(path.relative_to(root))
         try:

@@ -11,7 +11,7 @@ import os
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
-from colifs.formats import format_of
+from colifs.formats import format_for
 from colifs.moe import Configs
 from colifs.replicas import Replica, ServedFile, validate
 from colifs.routing import CHUNK, NOT_STRIPED, balanced_weights, expected_shares, positions, stripe_rotation
@@ -21,15 +21,16 @@ from colifs.usage import Usage, key_sizes, traffic
 
 
 def build_files(tree: Tree, replicas: Sequence[Replica]) -> dict[int, ServedFile]:
-    """Every regular file of the tree by inode; model files (safetensors, GGUF) validated and routed."""
+    """Every regular file of the tree by inode; model files (safetensors, GGUF, by name or content)
+    validated and routed."""
     configs = Configs(tree.root)
     checked: dict[int, ServedFile] = {}
     for node in tree.files():
-        fmt = format_of(node.relpath)
+        path = os.path.join(tree.root, node.relpath)
+        fmt = format_for(path)
         if fmt is None:
             checked[node.ino] = ServedFile(node.relpath, node.st.st_size)
         else:
-            path = os.path.join(tree.root, node.relpath)
             checked[node.ino] = validate(path, node.relpath, replicas, fmt, configs.experts_for(node.relpath))
     vouched = _vouched(checked, tree, replicas)
     where = positions(k for f in checked.values() if f.layout for k in f.layout.keys)

@@ -13,19 +13,23 @@ from collections.abc import Sequence
 from colifs.errors import MountError, QuietError
 from colifs.kernel import mount_type
 from colifs.replicas import Replica
-
-
-def same_or_inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
+from colifs.stores import same_or_inside, served_dir
 
 
 def check_roots(
-    paths: Sequence[str], weights: Sequence[float] | None = None, error: type[QuietError] = MountError
+    paths: Sequence[str],
+    weights: Sequence[float] | None = None,
+    error: type[QuietError] = MountError,
+    revision: str = "main",
 ) -> list[Replica]:
-    """Resolve the replica directories (primary first); `error` with one clear line if one is bad."""
+    """Resolve the replica directories (primary first; a Hugging Face cache repository directory
+    is its snapshot of `revision`); `error` with one clear line if one is bad."""
     roots = []
     for i, path in enumerate(paths):
-        real = os.path.realpath(path)
+        try:
+            real = served_dir(path, revision)
+        except ValueError as e:
+            raise error(str(e)) from None
         if not os.path.isdir(real):
             what = "does not exist" if not os.path.exists(real) else "is not a directory"
             raise error(f"{'mirror' if i else 'primary'} {path} {what}")

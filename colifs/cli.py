@@ -103,6 +103,21 @@ def parser() -> argparse.ArgumentParser:
         f"(default: {DEFAULT_EXTENT_BUFFER_MIB} = off: no faster with llama.cpp, see docs/benchmarks.md)",
     )
     m.add_argument(
+        "--store-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="symlinks that lead into DIR are served as the files they lead to (repeatable); the "
+        "model's directory and, for a Hugging Face snapshot, its repository directory always are",
+    )
+    m.add_argument(
+        "--revision",
+        default="main",
+        metavar="REV",
+        help="a Hugging Face cache repository directory (models--ORG--NAME) given as a replica serves "
+        "the snapshot of this ref or commit (default: main)",
+    )
+    m.add_argument(
         "--passthrough",
         action="store_true",
         help="native engine, Linux 6.9+: page-cache opens (mmap, buffered; not O_DIRECT) are read by the "

@@ -43,6 +43,8 @@ class MountConfig:
     prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
     extent_buffer_mib: int = DEFAULT_EXTENT_BUFFER_MIB  # native engine: whole-extent reads (0: off)
     passthrough: bool = False  # native engine: page-cache opens read by the kernel from the primary
+    store_roots: list[str] = field(default_factory=list)  # symlinks into these are served as files
+    revision: str = "main"  # the snapshot a Hugging Face cache repository directory serves
     engine: str = "native"  # or "pyfuse3": the portable reference engine
     fuse_threads: int = 16  # native engine: FUSE request threads (primary reads run on them)
     knobs: Knobs = field(
@@ -92,6 +94,8 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         prefetch=args.prefetch,
         extent_buffer_mib=args.extent_buffer_mib,
         passthrough=args.passthrough,
+        store_roots=args.store_root,
+        revision=args.revision,
         engine=args.engine,
         fuse_threads=args.fuse_threads,
         knobs=Knobs(

@@ -1,8 +1,9 @@
 """Model file formats colifs routes by: how to read a file's header into a Layout.
 
 Each format reads only the header (never tensor data) and returns the file size, the header bytes
-a mirror copy must match byte for byte, and the Layout. Files of other kinds are served as plain
-bytes from the primary.
+a mirror copy must match byte for byte, and the Layout. A file is of a format by its suffix, or,
+without a known suffix (Ollama's blobs, renamed files), by its first bytes. Files of other kinds
+are served as plain bytes from the primary.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from dataclasses import dataclass
 
 from colifs.gguf import gguf_tensor_spans, read_gguf_header
 from colifs.layout import ExpertConfig, Layout, LayoutError, header_length, parse_header, tensor_spans
+
+GGUF_MAGIC = b"GGUF"
+MAX_SAFETENSORS_HEADER = 100 << 20  # what the safetensors library itself accepts
 
 Header = tuple[int, bytes, Layout]  # file size, header bytes, layout
 
@@ -45,6 +49,7 @@ def read_gguf(fd: int, size: int, experts: ExpertConfig | None) -> tuple[bytes, 
 
 @dataclass(frozen=True)
 class Format:
+    name: str
     suffix: str
     reader: Callable[[int, int, ExpertConfig | None], tuple[bytes, Layout]]
     spans: Callable[[bytes, int], list[tuple[int, int, str]]]  # header → (start, end, tensor name)
@@ -60,16 +65,28 @@ class Format:
         finally:
             os.close(fd)
 
+    def looks_like(self, head: bytes, size: int) -> bool:
+        """Whether a file of `size` bytes starting with `head` (9 bytes or fewer) is of this format:
+        the GGUF magic, or a safetensors header length that fits the file followed by a JSON
+        object."""
+        if self.name == "gguf":
+            return head.startswith(GGUF_MAGIC)
+        if len(head) < 9:
+            return False
+        n = int.from_bytes(head[:8], "little")
+        return 2 <= n <= min(size - 8, MAX_SAFETENSORS_HEADER) and head[8:9] == b"{"
+
 
 FORMATS = (
-    Format(".safetensors", read_safetensors, tensor_spans),
-    Format(".gguf", read_gguf, gguf_tensor_spans),
+    Format("safetensors", ".safetensors", read_safetensors, tensor_spans),
+    Format("gguf", ".gguf", read_gguf, gguf_tensor_spans),
 )
+BY_NAME = {f.name: f for f in FORMATS}
 
 
 def tensor_at(path: str, offset: int) -> str | None:
     """The name of the tensor holding byte `offset` of a model file (reads its header only)."""
-    fmt = format_of(path)
+    fmt = format_for(path)
     if fmt is None:
         return None
     size, header, _ = fmt.read(path)
@@ -80,8 +97,25 @@ def tensor_at(path: str, offset: int) -> str | None:
 
 
 def format_of(relpath: str) -> Format | None:
-    """The format a file is routed by, from its name; None for plain files."""
+    """The format a file is routed by, from its name; None when the name says none."""
     for fmt in FORMATS:
         if relpath.endswith(fmt.suffix):
             return fmt
     return None
+
+
+def format_for(path: str) -> Format | None:
+    """The format of the file at `path`: by its name, else by its first bytes (one read of 9
+    bytes); None for plain files and files that cannot be read."""
+    fmt = format_of(path)
+    if fmt is not None:
+        return fmt
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            head, size = os.pread(fd, 9, 0), os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+    except OSError:
+        return None
+    return next((f for f in FORMATS if f.looks_like(head, size)), None)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from colifs.checks import check_roots
 from colifs.config import given_weights
 from colifs.errors import UsageError
-from colifs.formats import format_of
+from colifs.formats import format_for
 from colifs.layout import Layout, LayoutError
 from colifs.moe import Configs
 from colifs.probe import probe, weights_from
@@ -80,10 +80,10 @@ def survey(primary: str, mirror: str) -> list[Shard]:
     shards = []
     configs = Configs(primary)
     for node in Tree(primary).files():
-        fmt = format_of(node.relpath)
+        path = os.path.join(primary, node.relpath)
+        fmt = format_for(path)
         if fmt is None:
             continue
-        path = os.path.join(primary, node.relpath)
         try:
             size, header, layout = fmt.read(path, configs.experts_for(node.relpath))
         except (LayoutError, OSError):

@@ -41,8 +41,9 @@ class Replica:
 
 @dataclass(slots=True)
 class ServedFile:
-    """A regular file of the mount: its layout (None = plain bytes) and `copies`, the indices of the
-    replicas whose copy may serve it (0, the primary, always).
+    """A regular file of the mount: its format (colifs.formats: "safetensors", "gguf"; None for
+    other files), its layout (None = plain bytes) and `copies`, the indices of the replicas whose
+    copy may serve it (0, the primary, always).
 
     `positions` holds the routing position u of each layout extent and `stripes` the file's stripe
     rotation, or NOT_STRIPED (-1) where the extent's key is too small to stripe (see routing.py).
@@ -57,6 +58,7 @@ class ServedFile:
     stripes: tuple[int, ...] = field(default=())
     identities: dict[int, Identity] = field(default_factory=dict)  # per valid mirror, at mount
     vouched: tuple[int, ...] = ()  # mirrors whose `colifs stage` receipt still vouches for its data
+    fmt: str | None = None
 
     def drop(self, replica: int, why: str) -> None:
         """Stop using a mirror for this file (it changed after mount); notes say why."""
@@ -65,7 +67,7 @@ class ServedFile:
 
     @property
     def is_model(self) -> bool:
-        return format_of(self.relpath) is not None
+        return self.fmt is not None
 
 
 def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | None, Identity | None]:
@@ -98,16 +100,18 @@ def validate(
     path: str, relpath: str, replicas: list[Replica], fmt: Format, experts: ExpertConfig | None = None
 ) -> ServedFile:
     """Parse the primary copy's header (fused experts cut as the config `experts` says) and
-    check every mirror; one warning per problem."""
+    check every mirror; one warning per problem. A file of that format by its content only (not
+    its name) whose header does not parse is a plain file."""
     try:
         size, header, layout = fmt.read(path, experts)
     except (LayoutError, OSError) as e:
         problem = (
             f"cannot read its header ({e.strerror})" if isinstance(e, OSError) else f"malformed header: {e}"
         )
+        named = format_of(relpath) is not None
         note = f"{problem}; served from the primary as plain bytes"
-        log.warning("%s: %s", relpath, note)
-        return ServedFile(relpath, _size_or_zero(path), note=note)
+        log.warning("%s: %s%s", relpath, "" if named else f"starts like a {fmt.name} file but ", note)
+        return ServedFile(relpath, _size_or_zero(path), note=note, fmt=fmt.name if named else None)
     if layout.disagreed:
         count = f"config's {experts.count} experts" if experts is not None else "metadata's expert count"
         log.warning(
@@ -126,7 +130,7 @@ def validate(
         else:
             notes.append(f"mirror {r.root}: {problem}")
             log.warning("%s: mirror %s: %s; served without this mirror", relpath, r.root, problem)
-    return ServedFile(relpath, size, layout, tuple(valid), "; ".join(notes), identities=idents)
+    return ServedFile(relpath, size, layout, tuple(valid), "; ".join(notes), identities=idents, fmt=fmt.name)
 
 
 def _size_or_zero(path: str) -> int:

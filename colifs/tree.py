@@ -1,7 +1,11 @@
 """A snapshot of the primary's tree, taken at mount: directories, regular files and symlinks.
 
 Inode numbers are colifs' own, derived from the relative path, so they are stable across mounts
-and never the backing files' (two drives would give two inodes for one file).
+and never the backing files' (two drives would give two inodes for one file). A symlink to a
+regular file inside the model's store (colifs.stores: the tree itself, the Hugging Face repository
+holding a snapshot, --store-root) that the mount could not follow as a link (it leaves the tree,
+or is absolute) is a regular file of the tree, read through the link: a Hugging Face snapshot's
+shards are links into its blobs. Other symlinks stay symlinks.
 """
 
 from __future__ import annotations
@@ -10,8 +14,10 @@ import hashlib
 import logging
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+from colifs.stores import inside_stores, same_or_inside, store_roots
 
 log = logging.getLogger("colifs")
 
@@ -42,9 +48,12 @@ class Node:
 class Tree:
     """Nodes by inode; built once, read-only afterwards."""
 
-    def __init__(self, root: str, hidden: Callable[[str], bool] = lambda _: False) -> None:
+    def __init__(
+        self, root: str, hidden: Callable[[str], bool] = lambda _: False, stores: Sequence[str] = ()
+    ) -> None:
         self.root = root
         self._hidden = hidden  # relpaths not shown (colifs' own usage file)
+        self._stores = store_roots(root, stores)
         self.nodes: dict[int, Node] = {}
         self._walk("", ROOT_INO, os.lstat(root))
 
@@ -81,8 +90,32 @@ class Tree:
             if stat.S_ISDIR(mode):
                 self._walk(child_rel, child_ino, child_st)
                 continue
+            if stat.S_ISLNK(mode):
+                target_st = self._stored_file(entry.path, child_rel)
+                if target_st is not None:
+                    self.nodes[child_ino] = Node(child_ino, child_rel, target_st)
+                    continue
             target = _link_target(entry.path, child_rel) if stat.S_ISLNK(mode) else b""
             self.nodes[child_ino] = Node(child_ino, child_rel, child_st, target=target)
+
+    def _stored_file(self, path: str, relpath: str) -> os.stat_result | None:
+        """The status of the regular file the symlink at `path` leads to, if it lies in the model's
+        store out of the tree's own reach; None otherwise (a warning when it leads out of the
+        store). A relative link within the tree stays a link: it works through the mount as it is."""
+        target = os.path.realpath(path)
+        if same_or_inside(target, self.root) and not _link_target(path, relpath).startswith(b"/"):
+            return None
+        if not inside_stores(target, self._stores):
+            log.warning(
+                "%s: a symlink to %s, outside the model's store: shown as a symlink (--store-root serves it)",
+                relpath, target,
+            )  # fmt: skip
+            return None
+        try:
+            st = os.stat(target)
+        except OSError:
+            return None  # dangling: a symlink, as on the primary
+        return st if stat.S_ISREG(st.st_mode) else None
 
     def files(self) -> Iterator[Node]:
         """Every regular file, in walk order."""

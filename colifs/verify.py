@@ -10,7 +10,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from colifs.formats import format_of
+from colifs.formats import format_for
 from colifs.plan import survey
 from colifs.progress import Progress
 from colifs.stage import both_digests, is_ours
@@ -33,7 +33,7 @@ def verify(primary: str, mirror: str, deep: bool, quiet: bool) -> list[Row]:
     known = {s.relpath for s in shards}
     for node in Tree(mirror).files():
         name = os.path.basename(node.relpath)
-        if node.relpath not in known and not is_ours(name) and format_of(node.relpath):
+        if node.relpath not in known and not is_ours(name) and format_for(os.path.join(mirror, node.relpath)):
             rows.append(Row(node.relpath, node.st.st_size, "extra (not on the primary)", False))
     return rows
 

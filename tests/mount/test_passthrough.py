@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import drop_file_cache, mounted
+from tests.helpers import drop_file_cache, mounted, run_colifs
 from tests.mount.test_prefetch import fused_model
 
 pytestmark = pytest.mark.mounts
@@ -152,18 +152,38 @@ def test_opens_of_every_kind_at_once_never_fail_nor_differ(fused, tmp_path: Path
         assert pt["page_cache_opens_passed_through"] >= 3 and pt["page_cache_opens_served"] >= 3, pt
 
 
-@pytest.mark.daemon_warns(r"--passthrough: the kernel refused .* as a backing file")
+@pytest.mark.daemon_warns(
+    r"--passthrough: the kernel refused .* as a backing file", r"the primary has its own \.colifs"
+)
 def test_a_primary_the_kernel_refuses_to_pass_through_is_served(fused, tmp_path: Path) -> None:
     """A primary on a stacked filesystem (here another mount that passes through, so one level
     deep already) cannot back a passthrough open (ELOOP): one warning, and its opens are served."""
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [], tmp_path / "below", "--passthrough") as below:
-        with mounted(below.path, [mirror], tmp_path / "mnt", *PT) as m:
-            via = m.path / model.name
-            for _ in range(2):
-                with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                    assert mm[:] == want
-            pt = m.stats()["passthrough"]
-            assert pt["page_cache_opens_passed_through"] == 0 and pt["page_cache_opens_served"] == 2, pt
-            assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
+    below = tmp_path / "below"
+    with (
+        mounted(primary, [], below, "--passthrough"),
+        mounted(below, [mirror], tmp_path / "mnt", *PT, "--no-usage") as m,
+    ):
+        via = m.path / model.name
+        for _ in range(2):
+            with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                assert mm[:] == want
+        pt = m.stats()["passthrough"]
+        assert pt["page_cache_opens_passed_through"] == 0 and pt["page_cache_opens_served"] == 2, pt
+        assert all(r["bytes_served"] > 0 for r in m.stats()["replicas"])
+
+
+def test_a_mapping_passed_through_keeps_the_mount_in_use(fused, tmp_path: Path) -> None:
+    """The kernel maps the primary's file itself, still through the mount's path: a model mapped
+    and closed holds the mount, and `colifs umount` says so and leaves it serving."""
+    primary, mirror, model = fused
+    with mounted(primary, [mirror], tmp_path / "mnt", *PT) as m:
+        with open(m.path / model.name, "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        try:
+            done = run_colifs("umount", str(m.path))
+            assert done.returncode == 6 and f"maps {model.name}" in done.stderr, done
+            assert mm[: 1 << 20] == model.read_bytes()[: 1 << 20]
+        finally:
+            mm.close()
