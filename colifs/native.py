@@ -10,7 +10,6 @@ primary errors → the log) and answers the rare requests it passes up (control 
 from __future__ import annotations
 
 import logging
-import math
 import mmap
 import os
 import threading
@@ -37,6 +36,7 @@ log = logging.getLogger("colifs")
 MAX_REPLICAS = _native.MAX_REPLICAS
 WATCH_TICK = 0.2  # s between looks at the down mirrors (their back-off is 1 s or more)
 MEMORY_LOW, MEMORY_OK = 0.10, 0.15  # shares of the RAM available: memory short below, fine above
+CHECK_TIMEOUT = 30.0  # s a check read may take with --mirror-timeout 0 (ours: never waited on for ever)
 
 
 def memory_short(short: bool, share: float) -> bool:
@@ -238,6 +238,7 @@ class NativeEngine:
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
         self._seen_ok = [0] * len(self.replicas)
+        self._check_threads: dict[int, trio.CapacityLimiter] = {}
         self._thread: threading.Thread | None = None
         index = {id(f): i for i, f in enumerate(self.files)}
         key_ids = {k: i for i, k in enumerate(counters.keys)}
@@ -408,17 +409,28 @@ class NativeEngine:
         state = "paused" if self._memory_short else "resumed"
         log.warning("prefetch and extent buffer %s: %.0f%% of the memory is available", state, 100 * share)
 
+    def _check_thread(self, drive: int) -> trio.CapacityLimiter:
+        """One thread per mirror for its check reads, apart from the daemon's other threads. A check
+        stuck in a hung mirror keeps it until its call returns: the next check times out waiting
+        for it and starts no thread, and trio's default limiter, which unmounting and saving the
+        usage need, loses no token to a hung mirror."""
+        if drive not in self._check_threads:
+            self._check_threads[drive] = trio.CapacityLimiter(1)
+        return self._check_threads[drive]
+
     async def _check_read(self, drive: int, f: ServedFile | None, offset: int) -> None:
         root = self.replicas[drive].root
+        timeout = self.mirror_timeout or CHECK_TIMEOUT
+        thread = self._check_thread(drive)
         try:
-            with trio.fail_after(self.mirror_timeout or math.inf):
+            with trio.fail_after(timeout):
                 if f is None:  # no file left on it to read: its directory must still be there
-                    await trio.to_thread.run_sync(os.stat, root, abandon_on_cancel=True)
+                    await trio.to_thread.run_sync(os.stat, root, abandon_on_cancel=True, limiter=thread)
                 else:
                     path = os.path.join(root, f.relpath)
                     ident = f.identities[drive]
                     await trio.to_thread.run_sync(
-                        check_read, self._io, path, ident, offset, abandon_on_cancel=True
+                        check_read, self._io, path, ident, offset, abandon_on_cancel=True, limiter=thread
                     )
         except trio.TooSlowError:
-            raise TimedOut(f"no answer within {self.mirror_timeout:g} s") from None
+            raise TimedOut(f"no answer within {timeout:g} s") from None

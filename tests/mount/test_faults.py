@@ -240,6 +240,36 @@ def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path:
         assert settled()
 
 
+def daemon_threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_check_reads_on_a_hung_mirror_leave_one_thread_behind_not_one_each(tmp_path: Path) -> None:
+    """The mirror's reads hang for good: once it is down, each check read times out. Only the
+    first leaves a thread stuck in the mirror; the next ones wait for that thread and time out
+    without starting another (before: one more thread per check, until the daemon's shared
+    thread limiter ran dry and could no longer unmount)."""
+    with through_faultfs(tmp_path, "--mirror-timeout", "0.3") as (primary, mnt, control):
+        pid = stats(mnt)["pid"]
+        control.write_text("hang")
+        read_all(mnt, primary)  # right bytes, from the primary, as the mirror times out
+
+        def health() -> dict:
+            return stats(mnt)["replicas"][1]["health"]
+
+        deadline = time.monotonic() + 30
+        while health()["checks"] < 1:
+            assert time.monotonic() < deadline, health()
+            time.sleep(0.1)
+        threads = daemon_threads(pid)
+        while health()["checks"] < 4:  # back-offs of 1, 2, 4 s
+            assert time.monotonic() < deadline, health()
+            time.sleep(0.1)
+        assert health()["state"] == "down"
+        assert daemon_threads(pid) <= threads + 1, (threads, daemon_threads(pid))
+        control.write_text("ok")
+
+
 def test_a_mirror_that_vanishes_while_files_are_open(tmp_path: Path) -> None:
     primary, source = setup_model(tmp_path)
     with (
