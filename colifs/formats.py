@@ -81,7 +81,6 @@ FORMATS = (
     Format("safetensors", ".safetensors", read_safetensors, tensor_spans),
     Format("gguf", ".gguf", read_gguf, gguf_tensor_spans),
 )
-BY_NAME = {f.name: f for f in FORMATS}
 
 
 def tensor_at(path: str, offset: int) -> str | None:

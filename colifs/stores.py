@@ -8,8 +8,9 @@
 - Ollama's store (`~/.ollama/models`: `manifests/`, `blobs/sha256-HEX`): plain files whose names
   have no suffix; colifs.formats recognises a GGUF blob by its content.
 
-A symlink is served as the file it leads to when its target resolves inside one of the store roots:
-the served directory, the HF repository holding it, or a root the user names (`--store-root`).
+A symlink that the mount could not follow as a link (it leaves the served directory, or is
+absolute) is served as the file it leads to when that lies inside one of the store roots: the
+served directory, the HF repository holding it, or a root the user names (`--store-root`).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ def same_or_inside(path: str, root: str) -> bool:
 
 def is_hf_repo(path: str) -> bool:
     """A Hugging Face cache repository directory (`models--ORG--NAME` with its `snapshots/`)."""
-    return os.path.basename(path).startswith(HF_REPO_PREFIXES) and os.path.isdir(
-        os.path.join(path, "snapshots")
-    )
+    named = os.path.basename(path).startswith(HF_REPO_PREFIXES)
+    return named and os.path.isdir(os.path.join(path, "snapshots"))
 
 
 def hf_repo_of(snapshot: str) -> str | None:

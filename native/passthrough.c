@@ -14,9 +14,9 @@
  * daemon, none may pass through (the open fails with EIO otherwise). So the mode is the file's:
  * the first open picks it (passed through if it reads through the page cache), the others follow
  * it while any is open (an O_DIRECT open of a file passed through is one too, with FOPEN_DIRECT_IO:
- * the kernel then sends its reads here all the same). f->lock guards the counts (served_opens, pt_opens) and backing_id. The
- * daemon's counts never lag behind the kernel's: it counts an open before replying, and the kernel
- * drops an open's mode before it sends its RELEASE.
+ * the kernel then sends its reads here all the same). f->lock guards the counts (served_opens,
+ * pt_opens) and backing_id. The daemon's count of a mode is never below the kernel's: it counts an
+ * open before replying, and the kernel drops an open's mode before it sends its RELEASE.
  */
 #define _GNU_SOURCE
 #include "engine.h"
