@@ -104,9 +104,13 @@ static char *dup_bytes(PyObject *b) {
     return s;
 }
 
+/* ns since the epoch as a timespec, whose nanoseconds are never negative (before 1970 too). */
 static void set_time(struct timespec *t, long long ns) {
-    t->tv_sec = (time_t)(ns / 1000000000LL);
-    t->tv_nsec = (long)(ns % 1000000000LL);
+    long long sec = ns / 1000000000LL, rem = ns % 1000000000LL;
+    if (rem < 0)
+        sec -= 1, rem += 1000000000LL;
+    t->tv_sec = (time_t)sec;
+    t->tv_nsec = (long)rem;
 }
 
 static int load_nodes(engine_t *e, PyObject *nodes, size_t nchildren) {

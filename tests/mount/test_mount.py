@@ -625,3 +625,13 @@ def test_stats_show_reads_in_flight_per_drive(model) -> None:
         p = shards(primary)[0]
         assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
         assert [r["in_flight"] for r in m.stats()["replicas"]] == [0, 0]  # every read accounted back
+
+
+def test_times_before_1970_are_shown_as_they_are(model) -> None:
+    """A file's mtime of 1.5 s before the epoch: a timespec's nanoseconds are never negative."""
+    primary, mirror, mnt = model
+    config = primary / "config.json"
+    for ns in (-1_500_000_000, -86_400_000_000_001):
+        os.utime(config, ns=(ns, ns))
+        with mounted(primary, [mirror], mnt):
+            assert (mnt / "config.json").stat().st_mtime_ns == ns
