@@ -323,7 +323,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                             "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", "stretch_units",
                             "passthrough", NULL};
     const char *mnt, *opts;
-    PyObject *roots, *nodes, *children, *files, *counters;
+    PyObject *roots, *nodes, *children, *files, *counters, *calls[4];
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
@@ -337,9 +337,18 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*np", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
-                                     &nkeys, &counters, &self->control, &self->xattr, &self->listxattr, &self->event,
-                                     &routes, &prefetch_max, &experts, &stretch_units, &passthrough))
+                                     &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
+                                     &prefetch_max, &experts, &stretch_units, &passthrough))
         return -1;
+    /* Owned from here, whatever fails below: dealloc releases them (and a second __init__ after a
+     * failed one, the first one's). */
+    PyObject **owned[4] = {&self->control, &self->xattr, &self->listxattr, &self->event};
+    for (int i = 0; i < 4; i++) {
+        PyObject *old = *owned[i];
+        Py_INCREF(calls[i]);
+        *owned[i] = calls[i];
+        Py_XDECREF(old);
+    }
     uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
     size_t route_len = (size_t)routes.len;
     if (route_len <= sizeof route_bytes)
@@ -363,10 +372,6 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     pe->prefetch_max = nkeys > 0 ? (uint64_t)prefetch_max : 0;
-    Py_INCREF(self->control);
-    Py_INCREF(self->xattr);
-    Py_INCREF(self->listxattr);
-    Py_INCREF(self->event);
     engine_t *e = &self->e;
     Py_ssize_t nrep = PySequence_Size(roots);
     if (nrep < 1 || nrep > MAX_REPLICAS || fuse_threads < 1 || drive_threads < 1 || nkeys < 0) {
@@ -554,7 +559,7 @@ static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
         PyErr_SetString(PyExc_RuntimeError, "the loop is still running");
         return NULL;
     }
-    if (self->destroyed)
+    if (self->destroyed || !e->se) /* closed already, or never initialised */
         Py_RETURN_NONE;
     self->destroyed = 1;
     Py_BEGIN_ALLOW_THREADS;
