@@ -67,7 +67,12 @@ EXTENT_BUFFER = (
 )
 
 # native/engine.h counters_t.passthrough, in order.
-PASSTHROUGH = ("asked_at_init", "page_cache_opens_passed_through", "page_cache_opens_served")
+PASSTHROUGH = (
+    "asked_at_init",
+    "page_cache_opens_passed_through",
+    "page_cache_opens_served",
+    "file_opens_now",
+)
 
 _KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
 

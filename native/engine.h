@@ -173,9 +173,11 @@ typedef struct {
                                              [2] requests answered from one, [3] of them waited for its
                                              read, [4] bytes answered, [5] bytes held now, [6] stretches
                                              not started (the buffer was full) */
-    _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel offered it),
-                                             [1] page-cache opens passed through, [2] page-cache opens served
-                                             (their file was open for served reads, or refused) */
+    _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
+                                             offered it), [1] page-cache opens passed through, [2]
+                                             page-cache opens served (their file was open for served
+                                             reads, or refused), [3] file opens now (released:
+                                             the kernel's RELEASE, which follows close() a moment later) */
 } counters_t;
 
 typedef struct engine {

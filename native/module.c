@@ -291,7 +291,7 @@ static int load_files(engine_t *e, PyObject *files) {
 /* The counters live in memory Python owns, laid out as colifs.native.NativeCounters says. */
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t r = (size_t)e->nrep;
-    size_t words = 6 * r + 2 + 3 + 7 + 3 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 6 * r + 2 + 3 + 7 + 4 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -307,7 +307,7 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     e->ctr.fallbacks = p, p += 2;
     e->ctr.prefetch = p, p += 3;
     e->ctr.stretch = p, p += 7;
-    e->ctr.passthrough = p, p += 3;
+    e->ctr.passthrough = p, p += 4;
     e->ctr.key_bytes = p, p += e->nkeys * r;
     e->ctr.key_reads = p, p += e->nkeys;
     e->ctr.file_bytes = p, p += e->nfiles;

@@ -172,6 +172,8 @@ int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
             atomic_fetch_add(&e->ctr.passthrough[2], 1);
     }
     pthread_mutex_unlock(&f->lock);
+    if (!err)
+        atomic_fetch_add(&e->ctr.passthrough[3], 1);
     if (why[0])
         e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, why, 0, 0);
     return err;
@@ -186,6 +188,7 @@ void file_release_kernel(engine_t *e, file_t *f, int passed) {
         f->backing_id = 0;
     }
     pthread_mutex_unlock(&f->lock);
+    atomic_fetch_sub(&e->ctr.passthrough[3], 1);
     file_release(e, f);
 }
 
