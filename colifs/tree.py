@@ -90,20 +90,20 @@ class Tree:
             if stat.S_ISDIR(mode):
                 self._walk(child_rel, child_ino, child_st)
                 continue
-            if stat.S_ISLNK(mode):
-                target_st = self._stored_file(entry.path, child_rel)
-                if target_st is not None:
-                    self.nodes[child_ino] = Node(child_ino, child_rel, target_st)
-                    continue
             target = _link_target(entry.path, child_rel) if stat.S_ISLNK(mode) else b""
-            self.nodes[child_ino] = Node(child_ino, child_rel, child_st, target=target)
+            stored = self._stored_file(entry.path, child_rel, target) if stat.S_ISLNK(mode) else None
+            if stored is not None:
+                self.nodes[child_ino] = Node(child_ino, child_rel, stored)
+            else:
+                self.nodes[child_ino] = Node(child_ino, child_rel, child_st, target=target)
 
-    def _stored_file(self, path: str, relpath: str) -> os.stat_result | None:
-        """The status of the regular file the symlink at `path` leads to, if it lies in the model's
-        store out of the tree's own reach; None otherwise (a warning when it leads out of the
-        store). A relative link within the tree stays a link: it works through the mount as it is."""
+    def _stored_file(self, path: str, relpath: str, text: bytes) -> os.stat_result | None:
+        """The status of the regular file the symlink at `path` (reading `text`) leads to, if it
+        lies in the model's store out of the tree's own reach; None otherwise (a warning when it
+        leads out of the store). A relative link within the tree stays a link: it works through
+        the mount as it is."""
         target = os.path.realpath(path)
-        if same_or_inside(target, self.root) and not _link_target(path, relpath).startswith(b"/"):
+        if same_or_inside(target, self.root) and not text.startswith(b"/"):
             return None
         if not inside_stores(target, self._stores):
             log.warning(
