@@ -178,7 +178,8 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     } else if (n->file >= 0) {
         file_t *f = &e->files[n->file];
         int32_t backing = 0;
-        int err = file_open_kernel(e, f, !(fi->flags & O_DIRECT), &backing);
+        h->cached = !(fi->flags & O_DIRECT);
+        int err = file_open_kernel(e, f, h->cached, &backing);
         if (err) {
             free(h);
             fuse_reply_err(req, err);
@@ -186,7 +187,6 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
         }
         h->kind = H_FILE;
         h->f = f;
-        h->cached = !(fi->flags & O_DIRECT);
         h->passed = backing > 0;
         passthrough_reply_next(backing);
         /* The files are immutable: the page cache stays valid across opens. A passed-through open

@@ -129,10 +129,10 @@ class MemoryCgroup:
         self.path.rmdir()
 
 
-def rss_mib(pid: int, field: str = "VmRSS") -> int:
-    """The process's resident memory now (VmRSS) or at its peak (VmHWM), MiB."""
+def peak_rss_mib(pid: int) -> int:
+    """The process's resident memory at its peak (VmHWM), MiB."""
     with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:")) // 1024
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) // 1024
 
 
 def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> dict:
@@ -162,7 +162,7 @@ def measured_mount(dirs: list[Path], mnt: Path, flags: list[str]) -> Iterator[tu
         figures["daemon_cpu_s"] = cpu  # --passthrough: page-cache readers reach no daemon, no GB
         figures["daemon_cpu_s_per_gb"] = cpu / gb if gb else None
         figures["byte_share"] = [x["byte_share"] for x in after["replicas"]]
-        figures["daemon_peak_rss_mib"] = rss_mib(pid, "VmHWM")
+        figures["daemon_peak_rss_mib"] = peak_rss_mib(pid)
 
 
 def one_run(
