@@ -90,7 +90,7 @@ def assemble(
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
     routing = _routing(cfg, replicas, files, history)
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
-    router = Router(routing.weights, cfg.routing == "stripe", health)
+    router = Router(routing.weights, cfg.routing != "expert", health)
     info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
     balancer = Balancer([r.weight for r in routing.replicas], fixed=not cfg.adaptive_weights)
     parts = _Parts(
@@ -229,6 +229,7 @@ class _Parts:
             prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
             extent_buffer_mib=cfg.extent_buffer_mib,
             passthrough=cfg.passthrough,
+            queue_routing=cfg.routing == "queue",
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)

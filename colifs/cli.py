@@ -78,10 +78,11 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--routing",
-        choices=["expert", "stripe"],
-        default="stripe",
-        help="stripe (default): keys of 2 MiB or more cut in 1 MiB chunks spread over the drives in the "
-        "weights' ratio, so even one reader uses every drive; expert: each expert from one drive",
+        choices=["queue", "stripe", "expert"],
+        help="stripe: keys of 2 MiB or more cut in 1 MiB chunks spread over the drives in the weights' "
+        "ratio, so even one reader uses every drive; queue (the native engine's default): as stripe, "
+        "but a piece whose drive has a backlog goes to a drive that reads it at least twice as soon; "
+        "expert: each expert from one drive (default: queue, stripe with --engine pyfuse3)",
     )
     m.add_argument(
         "--prefetch",

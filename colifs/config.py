@@ -20,6 +20,10 @@ ENGINES = ("native", "pyfuse3")
 # an expert's end; a pyfuse3 request costs ~20 µs of Python, so there fewer, bigger ones win.
 DEFAULT_READ_AHEAD_KB = {"native": 128, "pyfuse3": 512}
 DEFAULT_MAX_BACKGROUND = 256
+# A drive's backlog spills to the drive with room (native/drives.c quickest): the sum of the drives
+# when one slows down or the weights are wrong, as fixed stripes with the right weights
+# (docs/benchmarks.md run 54). The pyfuse3 engine has no queues to look at.
+DEFAULT_ROUTING = {"native": "queue", "pyfuse3": "stripe"}
 # The whole-extent buffer (native/stretch.c), MiB; 64 holds four stretches of 16 MiB. Off by
 # default: llama.cpp decoded no faster with it, reading 1.6x the bytes (pages of an extent the page
 # cache still held were read again; docs/benchmarks.md runs 38-40).
@@ -39,7 +43,7 @@ class MountConfig:
     adaptive_weights: bool = False  # colifs.balance moves the weights while serving (else they stay)
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
-    routing: str = "stripe"  # or "expert" (see docs/benchmarks.md: the routing study)
+    routing: str = "queue"  # or "stripe", "expert" (docs/benchmarks.md: runs 9, 54)
     prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
     extent_buffer_mib: int = DEFAULT_EXTENT_BUFFER_MIB  # native engine: whole-extent reads (0: off)
     passthrough: bool = False  # native engine: page-cache opens read by the kernel from the primary
@@ -90,7 +94,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         adaptive_weights=args.adaptive_weights,
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
-        routing=args.routing,
+        routing=args.routing or DEFAULT_ROUTING[args.engine],
         prefetch=args.prefetch,
         extent_buffer_mib=args.extent_buffer_mib,
         passthrough=args.passthrough,
@@ -122,6 +126,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for value in (args.readahead_kb, args.max_background):
         if value is not None and value < 0:
             raise UsageError("--readahead-kb and --max-background must be 0 or more")
+    if args.routing == "queue" and args.engine != "native":
+        raise UsageError("--routing queue needs the native engine (--engine native)")
     if args.passthrough and args.engine != "native":
         raise UsageError("--passthrough needs the native engine (--engine native)")
     if not 0 <= args.extent_buffer_mib <= MAX_EXTENT_BUFFER_MIB:

@@ -225,6 +225,7 @@ class NativeEngine:
         prefetch_max: int = 0,
         extent_buffer_mib: int = 0,
         passthrough: bool = False,
+        queue_routing: bool = False,
     ) -> None:
         self.replicas: list[Replica] = ns.replicas
         if len(self.replicas) > MAX_REPLICAS:
@@ -271,6 +272,7 @@ class NativeEngine:
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
             stretch_units=extent_buffer_mib,
             passthrough=passthrough,
+            queue_routing=queue_routing,
         )
 
     # -- tables ------------------------------------------------------------------------------

@@ -327,6 +327,7 @@ static void *drive_main(void *arg) {
             run_job(dr->e, j);
         }
         atomic_fetch_sub(&dr->e->ctr.drive_busy[j->drive], 1);
+        atomic_fetch_sub(&dr->e->queued[j->drive], j->len);
         finish_job(j);
     }
 }
@@ -334,6 +335,7 @@ static void *drive_main(void *arg) {
 static void submit(engine_t *e, job_t *j) {
     drive_t *dr = &e->drives[j->drive];
     atomic_fetch_add(&e->ctr.drive_busy[j->drive], 1);
+    atomic_fetch_add(&e->queued[j->drive], j->len);
     j->next = NULL;
     pthread_mutex_lock(&dr->m);
     if (dr->tail)
@@ -489,6 +491,38 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
     return 0;
 }
 
+/* --routing queue: the routes' drive d for a piece of `len` bytes, unless d has a backlog (at least
+ * SPILL_MIN bytes queued) and another drive would have read the piece SPILL_RATIO times sooner (the
+ * fewest bytes queued per unit of the column's weight, the piece included). Below that the routes decide: a
+ * page-cache reader's one or two requests in flight (readahead hides a slow drive's latency there)
+ * get both drives in the weights' ratio, as without this; a backlog (a drive slower than its
+ * weight, many readers) spills to the drive that has room. `extra`: the request's own pieces
+ * planned so far (not queued yet). */
+#define SPILL_MIN (2u << 20)
+#define SPILL_RATIO 2.0
+static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, uint64_t len, int d) {
+    uint64_t queued[MAX_REPLICAS], share[MAX_REPLICAS], prev = 0;
+    for (int x = 0; x < e->nrep; x++) {
+        share[x] = r->bound[x] - prev;
+        prev = r->bound[x];
+        queued[x] = atomic_load_explicit(&e->queued[x], memory_order_relaxed) + extra[x];
+    }
+    if (queued[d] < SPILL_MIN || !share[d])
+        return d;
+    int best = d;
+    double best_cost = (double)(queued[d] + len) / (double)share[d];
+    for (int x = 0; x < e->nrep; x++) {
+        if (x == d || !((r->allowed >> x) & 1) || !share[x])
+            continue;
+        double cost = (double)(queued[x] + len) / (double)share[x];
+        if (cost < best_cost)
+            best = x, best_cost = cost;
+    }
+    /* Only a clear backlog spills: at parity a piece moved to a slower drive ends last (one reader
+     * of a whole expert waits for its slowest piece). */
+    return best_cost * SPILL_RATIO < (double)(queued[d] + len) / (double)share[d] ? best : d;
+}
+
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable
  * drives (or, primary_only, all on the primary), their last run ending at stop, and count what
  * [off, end) asked of each key. Returns the number of runs: at most runs_bound(). */
@@ -501,12 +535,17 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
     uint64_t pos = start;
     int have = 0, drive = 0;
     int32_t last_key = -1;
+    uint64_t extra[MAX_REPLICAS] = {0};
     while (pos < end && i < f->nseg) {
         uint64_t seg_end = i + 1 < f->nseg ? f->seg_start[i + 1] : f->size, piece_end;
         int d = segment_drive(e, f, &r, i, pos, seg_end, &piece_end);
         if (piece_end > end)
             piece_end = end;
         int32_t k = f->seg_key[i];
+        if (e->queue_routing && k >= 0 && !primary_only) {
+            d = quickest(e, &r, extra, piece_end - pos, d);
+            extra[d] += piece_end - pos;
+        }
         uint64_t from = pos > off ? pos : off;
         if (k >= 0 && piece_end > from) {
             atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * (size_t)e->nrep + (size_t)d], piece_end - from);
@@ -657,11 +696,14 @@ static void landed(engine_t *e, const reading_t *how, piece_t *pc, size_t i) {
 /* A piece read from the primary, inline on the caller's thread (drive 0 from now on). */
 static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, size_t i) {
     pc[i].drive = 0;
+    uint64_t len = pc[i].end - pc[i].start;
     atomic_fetch_add(&e->ctr.drive_busy[0], 1);
+    atomic_fetch_add(&e->queued[0], len);
     drive_active(e, 0, 1);
-    pc[i].got = pread_full(atomic_load(&f->fd[0]), pc[i].dst, pc[i].end - pc[i].start, pc[i].start, f->direct[0]);
+    pc[i].got = pread_full(atomic_load(&f->fd[0]), pc[i].dst, len, pc[i].start, f->direct[0]);
     pc[i].err = pc[i].got < 0 ? errno : 0;
     drive_active(e, 0, -1);
+    atomic_fetch_sub(&e->queued[0], len);
     atomic_fetch_sub(&e->ctr.drive_busy[0], 1);
     pc[i].status = pc[i].err ? RES_FAILED : RES_OK;
     if (!pc[i].err)

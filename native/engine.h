@@ -192,6 +192,8 @@ typedef struct engine {
     _Atomic int prefetch_paused; /* by Python, while memory is short */
     uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys prefetch works on) */
     int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */
+    int queue_routing;         /* each piece to the drive that reads it first (drives.c quickest) */
+    _Atomic uint64_t queued[MAX_REPLICAS]; /* bytes handed to each drive and not read yet */
     _Atomic uint64_t pt_init_unique; /* the INIT request, if it offered passthrough */
     _Atomic int pt_refused;    /* the kernel refused a backing file: never asked again */
 

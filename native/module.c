@@ -321,7 +321,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
                             "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", "stretch_units",
-                            "passthrough", NULL};
+                            "passthrough", "queue_routing", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters, *calls[4];
     int direct, fuse_threads, drive_threads;
@@ -329,16 +329,16 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     Py_ssize_t nkeys;
     unsigned long long prefetch_max = 0;
     Py_ssize_t stretch_units = 0;
-    int passthrough = 0;
+    int passthrough = 0, queue_routing = 0;
     Py_buffer experts = {0}, routes = {0};
     if (self->e.nrep) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*np", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*npp", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
-                                     &prefetch_max, &experts, &stretch_units, &passthrough))
+                                     &prefetch_max, &experts, &stretch_units, &passthrough, &queue_routing))
         return -1;
     /* Owned from here, whatever fails below: dealloc releases them (and a second __init__ after a
      * failed one, the first one's). */
@@ -395,6 +395,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     e->direct_io = direct;
     e->passthrough = passthrough;
+    e->queue_routing = queue_routing;
     e->fuse_threads = fuse_threads;
     e->drive_threads = drive_threads;
     e->mirror_timeout = timeout;

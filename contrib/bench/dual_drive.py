@@ -381,16 +381,25 @@ def fault_study(
         print(f"{key + ') ' + res[key]['label']:<46} {figures} {h['fallbacks']:>9}")
 
 
+MODES = {
+    "stripe": ("--routing", "stripe"),
+    "adaptive": ("--routing", "stripe", "--adaptive-weights"),
+    "queue": ("--routing", "queue"),
+}
+
+
 def adapt_study(
     args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
 ) -> None:
-    """Adaptive weights: wrong weights, then the mirror slowed to a quarter and (separately) the
-    primary to a third while mounted. Each colifs phase runs after WARM s of the same load on the
-    same mount (what the weights had to follow), beside the drives read directly at the same
-    throttles and the same mount without --adaptive-weights (fixed weights, the default)."""
+    """Routing that follows the drives: right weights, wrong weights, then the mirror slowed to a
+    quarter and (separately) the primary to a third while mounted, for each mode of --adapt-modes
+    (--routing stripe with fixed weights, the same with --adaptive-weights, --routing queue). Each
+    colifs phase runs after WARM s of the same load on the same mount (what the routing had to
+    follow), beside the drives read directly at the same throttles."""
     f, s = args.fast, args.slow
     a, b = rig.dirs
     warm = 10.0
+    modes = [m for m in args.adapt_modes.split(",") if m]
 
     def stats() -> dict:
         return json.loads((mnt / ".colifs" / "stats.json").read_text())
@@ -401,62 +410,70 @@ def adapt_study(
         cpu = cpu_seconds(before["pid"])
         phase(key, label, [mnt], *extra)
         after = stats()
-        served = sum(r["bytes_served"] for r in after["replicas"]) - sum(
-            r["bytes_served"] for r in before["replicas"]
-        )
+        pairs = zip(before["replicas"], after["replicas"], strict=True)
+        served = [y["bytes_served"] - x["bytes_served"] for x, y in pairs]
         res[key]["balance"] = after["balance"]
-        res[key]["cpu_s_per_gb"] = (cpu_seconds(after["pid"]) - cpu) / max(served / 1e9, 1e-9)
+        res[key]["served_shares"] = [x / max(sum(served), 1) for x in served]
+        res[key]["cpu_s_per_gb"] = (cpu_seconds(after["pid"]) - cpu) / max(sum(served) / 1e9, 1e-9)
 
     phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
     phase(
         "c_1", "both directly, ideal split, 1 reader", [a, b], "--weights", f"{f:g},{s:g}", "--threads", "1"
     )
-    with colifs_mount([a, b], mnt, "--weights", "1,1", "--adaptive-weights"):
-        warmed("w", "colifs, --weights 1,1")
-    with colifs_mount([a, b], mnt, "--weights", "1,1", "--adaptive-weights"):
-        warmed("w_1", "colifs, --weights 1,1, 1 reader", "--threads", "1")
+    for mode in modes:
+        for key, weights, what in (("r", f"{f:g},{s:g}", "right weights"), ("w", "1,1", "--weights 1,1")):
+            for readers, suffix in (("16", ""), ("1", "_1")):
+                rdr = (f"{args.threads}", "") if readers == "16" else ("1", ", 1 reader")
+                with colifs_mount([a, b], mnt, "--weights", weights, *MODES[mode]):
+                    warmed(f"{key}{suffix}_{mode}", f"colifs {mode}, {what}{rdr[1]}", "--threads", rdr[0])
     for key, fast, slow, what in (
         ("ms", f, s / 4, "mirror slowed to a quarter"),
         ("ps", f / 3, s, "primary to a third"),
     ):
-        for flag, tag in (("", "fixed"), ("--adaptive-weights", "adaptive")):
+        for mode in modes:
             rig.throttle(f, s)
-            with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *([flag] if flag else [])):
-                phase(f"{key}_{tag}_before", f"colifs {tag}, {f:g}+{s:g}", [mnt], "--seconds", "5")
+            with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *MODES[mode]):
+                phase(f"{key}_{mode}_before", f"colifs {mode}, {f:g}+{s:g}", [mnt], "--seconds", "5")
                 rig.throttle(fast, slow)
-                warmed(f"{key}_{tag}", f"colifs {tag}, {what}")
+                warmed(f"{key}_{mode}", f"colifs {mode}, {what}")
         phase(f"{key}_sum", f"both directly, {what}", [a, b], "--weights", f"{fast:g},{slow:g}")
         phase(f"{key}_alone", f"faster drive alone, {what}", [a if fast >= slow else b])
     rig.throttle(f, s)
-    _print_adapt(args, res)
+    _print_adapt(args, res, modes)
 
 
-def _print_adapt(args: argparse.Namespace, res: dict[str, dict]) -> None:
+def _print_adapt(args: argparse.Namespace, res: dict[str, dict], modes: list[str]) -> None:
     print()
     print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; {args.threads} readers, {args.seconds:g} s")
-    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<30} {'CPU s/GB':>8}  shares, utilization")
-    rows = [
-        ("w", "c", "the sum"),
-        ("w_1", "c_1", "an ideal 3:1 mirror, 1 reader"),
-        ("ms_fixed", "ms_sum", "the new sum"),
-        ("ms_adaptive", "ms_sum", "the new sum"),
-        ("ms_adaptive", "ms_alone", "the faster drive alone"),
-        ("ps_fixed", "ps_sum", "the new sum"),
-        ("ps_adaptive", "ps_sum", "the new sum"),
-        ("ps_adaptive", "ps_alone", "the faster drive alone"),
-    ]
+    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<30} {'CPU s/GB':>8}  served, shares, utilization")
+    rows = []
+    for mode in modes:
+        rows += [
+            (f"r_{mode}", "c", "the sum"),
+            (f"r_1_{mode}", "c_1", "an ideal 3:1 mirror, 1 reader"),
+            (f"w_{mode}", "c", "the sum"),
+            (f"w_1_{mode}", "c_1", "an ideal 3:1 mirror, 1 reader"),
+        ]
+    for key in ("ms", "ps"):
+        for mode in modes:
+            rows += [
+                (f"{key}_{mode}", f"{key}_sum", "the new sum"),
+                (f"{key}_{mode}", f"{key}_alone", "the faster drive alone"),
+            ]
     for key, ref, what in rows:
         got, base = res[key]["gb_per_s"] * 1e3, res[ref]["gb_per_s"] * 1e3
         bal = res[key].get("balance", {})
+        served = " / ".join(f"{x:.0%}" for x in res[key].get("served_shares", []))
         shares = " / ".join(f"{x:.0%}" for x in bal.get("shares", []))
         busy = " / ".join(f"{x:.0%}" for x in bal.get("utilization", []))
         cpu = res[key].get("cpu_s_per_gb", 0.0)
         print(
             f"{key + ') ' + res[key]['label']:<58} {got:>8.1f} {got / base:>6.2f}  {what:<30} {cpu:>8.2f}"
-            f"  {shares}, {busy}"
+            f"  {served}, {shares}, {busy}"
         )
-    for key in ("w_warm", "ms_adaptive_warm", "ps_adaptive_warm"):
-        print(f"{key + ') ' + res[key]['label']:<58} {res[key]['gb_per_s'] * 1e3:>8.1f}")
+    for key in res:
+        if key.endswith("_warm"):
+            print(f"{key + ') ' + res[key]['label']:<58} {res[key]['gb_per_s'] * 1e3:>8.1f}")
 
 
 def _parse() -> argparse.Namespace:
@@ -503,6 +520,11 @@ def _parse() -> argparse.Namespace:
         "--adapt-study",
         action="store_true",
         help="only the adaptive-weights study: wrong weights, the mirror or the primary slowing mid-run",
+    )
+    p.add_argument(
+        "--adapt-modes",
+        default="stripe,adaptive,queue",
+        help="the routing modes the adaptive study compares (default stripe,adaptive,queue)",
     )
     p.add_argument("--ram", action="store_true", help="the drive images in /dev/shm (fast drives)")
     p.add_argument("--zipf", type=float, default=1.0, help="skew of the partial study's workload (default 1)")

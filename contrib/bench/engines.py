@@ -47,6 +47,7 @@ CONFIGS = (
     "threads4",
     "prefetch",
     "expert",
+    "stripe",
 )
 
 
@@ -107,6 +108,7 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
             128,
         ),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
+        "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
     }
     return [named[name] for name in names.split(",")]
 

@@ -29,10 +29,10 @@ def test_a_bad_number_is_one_line(tmp_path: Path, flag: str, value: str) -> None
     assert "Traceback" not in done.stderr
 
 
-def test_passthrough_needs_the_native_engine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("flags", [("--passthrough",), ("--routing", "queue")])
+def test_native_only_flags_need_the_native_engine(tmp_path: Path, flags: tuple[str, ...]) -> None:
     (tmp_path / "p").mkdir()
     (tmp_path / "mnt").mkdir()
-    args = ("--engine", "pyfuse3", "--passthrough")
-    done = run_colifs("mount", str(tmp_path / "p"), str(tmp_path / "mnt"), *args)
+    done = run_colifs("mount", str(tmp_path / "p"), str(tmp_path / "mnt"), "--engine", "pyfuse3", *flags)
     assert done.returncode == 2, done
-    assert done.stderr.count("\n") == 1 and "--passthrough" in done.stderr, done.stderr
+    assert done.stderr.count("\n") == 1 and " ".join(flags) in done.stderr, done.stderr

@@ -51,7 +51,7 @@ def test_bash_completion_knows_every_command_option_and_choice() -> None:
     assert complete("colifs mo") == ["mount"]
     assert complete("colifs st") == ["stage", "stats"]
     assert complete("colifs mount --rou") == ["--routing"]
-    assert sorted(complete("colifs mount --routing ")) == ["expert", "stripe"]
+    assert sorted(complete("colifs mount --routing ")) == ["expert", "queue", "stripe"]
     assert complete("colifs stats --pro") == ["--prometheus"]
     assert "README.md" in complete("colifs route READ")
     script = run_colifs("completion", "bash").stdout

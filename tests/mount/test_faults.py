@@ -493,3 +493,30 @@ def test_without_adaptive_weights_they_stay_as_mounted(tmp_path: Path) -> None:
         assert not after["balance"]["adaptive"] and after["balance"]["changes"] == 0
         assert after["balance"]["shares"] == [0.5, 0.5]
         assert after["balance"]["measured_mb_per_s"][1] < 20  # still measured and shown
+
+
+def test_queue_routing_spills_a_slow_mirrors_backlog_to_the_primary(tmp_path: Path, engine: str) -> None:
+    """--routing queue, weights 1,1, the mirror slowed to 4 MB/s and 8 O_DIRECT readers: the routes
+    give the mirror half the bytes; the pieces queued behind its backlog go to the primary instead,
+    with no remount and no re-read, and every byte stays the primary's."""
+    if engine == "pyfuse3":
+        pytest.skip("--routing queue is the native engine's")
+    with through_faultfs(tmp_path, "--routing", "queue") as (primary, mnt, control):
+        assert stats(mnt)["routing"] == "queue" and stats(mnt)["replicas"][1]["weight_share"] == 0.5
+        control.write_text("slow 4")
+        stop = time.monotonic() + 4
+
+        def reader(_: int) -> int:
+            rounds = 0
+            while time.monotonic() < stop:
+                read_all(mnt, primary)
+                rounds += 1
+            return rounds
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            rounds = sum(pool.map(reader, range(8)))
+        after = stats(mnt)
+        served = [r["bytes_served"] for r in after["replicas"]]
+        assert 0 < served[1] < 0.2 * sum(served), (served, rounds)
+        assert after["fallbacks"] == 0 and after["balance"]["changes"] == 0  # the weights stayed 1,1
+        print(f"\nmirror {served[1] / sum(served):.1%} of {sum(served) / 1e6:.0f} MB in {rounds} rounds")

@@ -86,7 +86,8 @@ def test_prometheus_output_parses_and_matches_stats_json(model) -> None:
     assert served["mirror"] > 0 and families["colifs_served_bytes"].type == "counter"
     (up,) = families["colifs_mirror_up"].samples
     assert up.value == 1 and up.labels["path"] == str(mirror)
-    assert families["colifs_info"].samples[0].labels["routing"] == "stripe"
+    assert families["colifs_info"].samples[0].labels["routing"] == st["routing"]
+    assert st["routing"] == {"native": "queue", "pyfuse3": "stripe"}[st["engine"]]  # the defaults
     layers = families["colifs_layer_routed_bytes"].samples
     assert {s.labels["layer"] for s in layers} == set(st["layers_routed_bytes"])
     shutil.rmtree(mnt, ignore_errors=True)
