@@ -59,8 +59,7 @@ setup(
     ext_modules=[
         Extension(
             "colifs._native",
-            sources=["native/module.c", "native/fs.c", "native/drives.c", "native/stretch.c", "native/prefetch.c",
-                     "native/passthrough.c"],
+            sources=[f"native/{name}.c" for name in ("module", "fs", "drives", "stretch", "passthrough")],
             depends=["native/engine.h"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit"],
         )

@@ -33,8 +33,6 @@ from colifs.usage import Usage
 
 log = logging.getLogger("colifs")
 
-PREFETCH_MAX = 64 << 20  # bytes one expert's first page-cache read may read ahead (--prefetch expert)
-
 
 class Engine(Protocol):
     """What `serve` runs: either engine, built but not mounted."""
@@ -180,10 +178,6 @@ class _Parts:
         from colifs.workers import DriveWorkers
 
         cfg = self.cfg
-        if cfg.prefetch != "off":
-            log.warning(
-                "--prefetch %s needs the native engine; the pyfuse3 engine does not prefetch", cfg.prefetch
-            )
         workers = [
             DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
             for r in self.replicas
@@ -226,7 +220,6 @@ class _Parts:
             fuse_threads=cfg.fuse_threads,
             drive_threads=cfg.threads_per_drive,
             mirror_timeout=cfg.mirror_timeout,
-            prefetch_max=PREFETCH_MAX if cfg.prefetch == "expert" else 0,
             extent_buffer_mib=cfg.extent_buffer_mib,
             passthrough=cfg.passthrough,
             queue_routing=cfg.routing == "queue",

@@ -85,15 +85,6 @@ def parser() -> argparse.ArgumentParser:
         "expert: each expert from one drive (default: queue, stripe with --engine pyfuse3)",
     )
     m.add_argument(
-        "--prefetch",
-        choices=["expert", "off"],
-        default="off",
-        help="expert: a page-cache reader's (mmap, buffered) first touch of a routed expert's extent "
-        "reads the rest of it too, from all drives at once, into the page cache (native engine; at "
-        "most 64 MiB, never past the extent's ends; measured slower than off with llama.cpp); "
-        "off (default): the kernel's readahead only",
-    )
-    m.add_argument(
         "--extent-buffer-mib",
         type=int,
         default=DEFAULT_EXTENT_BUFFER_MIB,

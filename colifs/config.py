@@ -44,7 +44,6 @@ class MountConfig:
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
     routing: str = "queue"  # or "stripe", "expert" (docs/benchmarks.md: runs 9, 54)
-    prefetch: str = "off"  # or "expert": page-cache readers get whole experts (native engine)
     extent_buffer_mib: int = DEFAULT_EXTENT_BUFFER_MIB  # native engine: whole-extent reads (0: off)
     passthrough: bool = False  # native engine: page-cache opens read by the kernel from the primary
     store_roots: list[str] = field(default_factory=list)  # symlinks into these are served as files
@@ -95,7 +94,6 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
         routing=args.routing or DEFAULT_ROUTING[args.engine],
-        prefetch=args.prefetch,
         extent_buffer_mib=args.extent_buffer_mib,
         passthrough=args.passthrough,
         store_roots=args.store_root,

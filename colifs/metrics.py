@@ -28,7 +28,8 @@ def prometheus(st: dict) -> str:
     reps = st["replicas"]
 
     def per_replica(field: str) -> list[tuple[dict, float]]:
-        return [({"mountpoint": m, "replica": r["name"], "path": r["path"]}, r[field]) for r in reps]
+        """One sample per replica (a field that an older daemon's stats.json lacks reads 0)."""
+        return [({"mountpoint": m, "replica": r["name"], "path": r["path"]}, r.get(field, 0)) for r in reps]
 
     def health(field: str) -> list[tuple[dict, float]]:
         return [
@@ -60,6 +61,12 @@ def prometheus(st: dict) -> str:
     )
     lines += _family(
         "in_flight_reads", "gauge", "Reads queued or running per drive now.", per_replica("in_flight")
+    )
+    lines += _family(
+        "spilled_bytes",
+        "counter",
+        "Bytes the routes gave each drive that went to another: the drive had a backlog.",
+        per_replica("bytes_spilled"),
     )
     lines += _family(
         "weight_share",

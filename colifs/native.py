@@ -40,7 +40,7 @@ CHECK_TIMEOUT = 30.0  # s a check read may take with --mirror-timeout 0 (ours: n
 
 
 def memory_short(short: bool, share: float) -> bool:
-    """Whether memory is short (the prefetch and the extent buffer paused), `share` of the RAM
+    """Whether memory is short (the extent buffer paused), `share` of the RAM
     being available and `short` what was decided last (hysteresis)."""
     return share < MEMORY_OK if short else share < MEMORY_LOW
 
@@ -81,8 +81,9 @@ class NativeCounters:
     """The counters the native engine writes, in memory Python owns (an anonymous mmap).
 
     Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
-    flight), mirror successes, busy time (ns with a read running); fallbacks and late reads skipped;
-    prefetch (bytes stored ahead, prefetches, bytes asked again soon after); the extent buffer
+    flight), mirror successes, busy time (ns with a read running), bytes spilled (routed to the
+    drive, read by another: --routing queue); fallbacks and late reads skipped;
+    the extent buffer
     (EXTENT_BUFFER's fields); passthrough (PASSTHROUGH's fields); per key and drive routed bytes;
     per key reads; per file bytes, reads.
     """
@@ -92,15 +93,15 @@ class NativeCounters:
         self.keys = list(keys)
         self.files = list(files)
         nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 6 + [2, 3, len(EXTENT_BUFFER), len(PASSTHROUGH), nk * nrep, nk, nf, nf]
+        sizes = [nrep] * 7 + [2, len(EXTENT_BUFFER), len(PASSTHROUGH), nk * nrep, nk, nf, nf]
         self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
         words = memoryview(self.buffer).cast("Q")
         views, at = [], 0
         for n in sizes:
             views.append(words[at : at + n])
             at += n
-        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._busy_ns,
-         self._fallbacks, self._prefetch, self._stretch, self._passthrough, self._key_bytes, self._key_reads,
+        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._busy_ns, self._spilled,
+         self._fallbacks, self._stretch, self._passthrough, self._key_bytes, self._key_reads,
          self._file_bytes, self._file_reads) = views  # fmt: skip
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
         self._taken_keys = [0] * (2 * nk)
@@ -125,6 +126,10 @@ class NativeCounters:
         return self._errors.tolist()
 
     @property
+    def spilled(self) -> list[int]:
+        return self._spilled.tolist()
+
+    @property
     def fallbacks(self) -> int:
         return self._fallbacks[0]
 
@@ -133,11 +138,6 @@ class NativeCounters:
         """Mirror reads queued for a request that had given up on them (timed out) before they
         started: never read."""
         return self._fallbacks[1]
-
-    @property
-    def prefetch(self) -> dict[str, int]:
-        stored, count, again = self._prefetch.tolist()
-        return {"bytes_stored_ahead": stored, "prefetches": count, "bytes_asked_again_soon_after": again}
 
     @property
     def extent_buffer(self) -> dict[str, int]:
@@ -222,7 +222,6 @@ class NativeEngine:
         fuse_threads: int,
         drive_threads: int,
         mirror_timeout: float | None,
-        prefetch_max: int = 0,
         extent_buffer_mib: int = 0,
         passthrough: bool = False,
         queue_routing: bool = False,
@@ -239,7 +238,7 @@ class NativeEngine:
         self.striping = router.striping
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
-        self.minds_memory = prefetch_max > 0 or extent_buffer_mib > 0
+        self.minds_memory = extent_buffer_mib > 0
         self._memory_short = False
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
@@ -268,7 +267,6 @@ class NativeEngine:
             listxattr=self._listxattr,
             event=self._event,
             routes=route_columns(router.weights),
-            prefetch_max=prefetch_max,
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
             stretch_units=extent_buffer_mib,
             passthrough=passthrough,
@@ -396,7 +394,7 @@ class NativeEngine:
 
     async def watch(self) -> None:
         """Runs for the life of the mount: checks each down mirror once its back-off is over, and
-        pauses the prefetch while memory is short."""
+        pauses the extent buffer while memory is short."""
         while True:
             for d in self.mirrors.due():
                 await self.mirrors.check(d, self._check_read)
@@ -405,16 +403,16 @@ class NativeEngine:
             await trio.sleep(WATCH_TICK)
 
     def _mind_memory(self) -> None:
-        """Prefetched pages and the extent buffer hold what nobody asked for yet: neither while
-        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK), and the buffer's
-        unused memory goes back to the system."""
+        """The extent buffer holds what nobody asked for yet: no new stretches while less than
+        MEMORY_LOW of the RAM is available (back above MEMORY_OK), and its unused memory goes back
+        to the system."""
         share = memory_available()
         if share is None or memory_short(self._memory_short, share) == self._memory_short:
             return
         self._memory_short = not self._memory_short
         self.engine.set_memory_short(self._memory_short)
         state = "paused" if self._memory_short else "resumed"
-        log.warning("prefetch and extent buffer %s: %.0f%% of the memory is available", state, 100 * share)
+        log.warning("extent buffer %s: %.0f%% of the memory is available", state, 100 * share)
 
     def _check_thread(self, drive: int) -> trio.CapacityLimiter:
         """One thread per mirror for its check reads, apart from the daemon's other threads. A check

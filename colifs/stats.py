@@ -28,6 +28,11 @@ class DriveCounters(Protocol):
     def read_errors(self) -> Sequence[int]: ...
 
     @property
+    def spilled(self) -> Sequence[int]:
+        """Bytes the routes gave each drive that went to another, the drive having a backlog."""
+        ...
+
+    @property
     def fallbacks(self) -> int: ...
 
     @property
@@ -35,9 +40,6 @@ class DriveCounters(Protocol):
 
     @property
     def layers(self) -> dict[str, list[int]]: ...
-
-    @property
-    def prefetch(self) -> dict[str, int]: ...
 
     @property
     def extent_buffer(self) -> dict[str, int]: ...
@@ -55,12 +57,12 @@ class Counters:
         self.bytes_served = [0] * n
         self.reads = [0] * n
         self.read_errors = [0] * n
+        self.spilled = [0] * n  # the pyfuse3 engine routes by the weights alone (no --routing queue)
         self.fallbacks = 0
         self.late_reads_skipped = 0  # a read given up on before it starts is cancelled, never run
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
-        self.prefetch: dict[str, int] = {}  # the pyfuse3 engine does not prefetch
-        self.extent_buffer: dict[str, int] = {}  # nor buffer whole extents
+        self.extent_buffer: dict[str, int] = {}  # the pyfuse3 engine does not buffer whole extents
         self.passthrough: dict[str, int] = {}  # nor pass opens through to the kernel
 
     def served(self, drive: int, nbytes: int) -> None:
@@ -180,7 +182,6 @@ class Stats:
             "weights_source": self.info.weights_source,
             "routing": self.info.routing,
             "engine": self.info.engine,
-            "prefetch": self.counters.prefetch,
             "extent_buffer": self.counters.extent_buffer,
             "passthrough": self.counters.passthrough,
             "kernel": self._kernel(),
@@ -198,6 +199,7 @@ class Stats:
                     "byte_share": self.bytes_served[i] / total,
                     "reads": self.reads[i],
                     "in_flight": in_flight[i],
+                    "bytes_spilled": self.counters.spilled[i],
                     "read_errors": self.read_errors[i],
                     "last_error": self.last_error[i],
                     **({"health": self.health[i].as_dict()} if i else {}),

@@ -348,9 +348,6 @@ static void submit(engine_t *e, job_t *j) {
 }
 
 int drives_start(engine_t *e) {
-    int perr = prefetch_start(e);
-    if (perr)
-        return perr;
     for (int d = 1; d < e->nrep; d++) {
         drive_t *dr = &e->drives[d];
         dr->e = e;
@@ -373,7 +370,6 @@ int drives_start(engine_t *e) {
  * detached instead of waited for: it must not hang the unmount (what it reads into stays allocated:
  * a request buffer or stretch units, see stretch_free). */
 void drives_stop(engine_t *e) {
-    prefetch_stop(e);
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
     deadline.tv_sec += 5;
@@ -492,12 +488,15 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
 }
 
 /* --routing queue: the routes' drive d for a piece of `len` bytes, unless d has a backlog (at least
- * SPILL_MIN bytes queued) and another drive would have read the piece SPILL_RATIO times sooner (the
- * fewest bytes queued per unit of the column's weight, the piece included). Below that the routes decide: a
- * page-cache reader's one or two requests in flight (readahead hides a slow drive's latency there)
- * get both drives in the weights' ratio, as without this; a backlog (a drive slower than its
- * weight, many readers) spills to the drive that has room. `extra`: the request's own pieces
- * planned so far (not queued yet). */
+ * SPILL_MIN bytes queued) and another drive would have read the piece SPILL_RATIO times sooner
+ * (the fewest bytes queued per unit of the column's weight, the piece included). Below that the
+ * routes decide: a page-cache reader's one or two requests in flight (readahead hides a slow
+ * drive's latency there) get both drives in the weights' ratio, as without this; a backlog (a
+ * drive slower than its weight, many readers) spills to the drive that has room. `extra`: the
+ * request's own pieces planned so far (not queued yet). Approximate by design: requests planned
+ * at the same moment see the same queues, and a column's weights include the partial-mirror
+ * correction (colifs.routing.balanced_weights), so they stand for the drives' speeds only
+ * roughly there. */
 #define SPILL_MIN (2u << 20)
 #define SPILL_RATIO 2.0
 static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, uint64_t len, int d) {
@@ -542,11 +541,14 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
         if (piece_end > end)
             piece_end = end;
         int32_t k = f->seg_key[i];
-        if (e->queue_routing && k >= 0 && !primary_only) {
-            d = quickest(e, &r, extra, piece_end - pos, d);
-            extra[d] += piece_end - pos;
-        }
         uint64_t from = pos > off ? pos : off;
+        if (e->queue_routing && k >= 0 && !primary_only) {
+            int routed = d;
+            d = quickest(e, &r, extra, piece_end - pos, routed);
+            extra[d] += piece_end - pos;
+            if (d != routed && piece_end > from)
+                atomic_fetch_add(&e->ctr.drive_spilled[routed], piece_end - from);
+        }
         if (k >= 0 && piece_end > from) {
             atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * (size_t)e->nrep + (size_t)d], piece_end - from);
             if (k != last_key)
@@ -693,12 +695,15 @@ static void landed(engine_t *e, const reading_t *how, piece_t *pc, size_t i) {
         how->ready(how->arg, i);
 }
 
-/* A piece read from the primary, inline on the caller's thread (drive 0 from now on). */
-static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, size_t i) {
+/* A piece read from the primary, inline on the caller's thread (drive 0 from now on). `queued`:
+ * its bytes are in the primary's backlog already (read_mirrors adds a reading's primary pieces at
+ * once, as the drive threads' queues hold the mirrors'); it leaves it once read. */
+static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, size_t i, int queued) {
     pc[i].drive = 0;
     uint64_t len = pc[i].end - pc[i].start;
     atomic_fetch_add(&e->ctr.drive_busy[0], 1);
-    atomic_fetch_add(&e->queued[0], len);
+    if (!queued)
+        atomic_fetch_add(&e->queued[0], len);
     drive_active(e, 0, 1);
     pc[i].got = pread_full(atomic_load(&f->fd[0]), pc[i].dst, len, pc[i].start, f->direct[0]);
     pc[i].err = pc[i].got < 0 ? errno : 0;
@@ -756,6 +761,10 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
         for (size_t i = 0; i < n; i++)
             pc[i].drive = 0;
     }
+    uint64_t inline_bytes = 0;
+    for (size_t i = 0; i < n; i++)
+        inline_bytes += pc[i].drive ? 0 : pc[i].end - pc[i].start;
+    atomic_fetch_add(&e->queued[0], inline_bytes);
     if (p) {
         size_t j = 0;
         for (size_t i = 0; i < n; i++) {
@@ -769,7 +778,7 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
     }
     for (size_t i = 0; i < n; i++)
         if (!pc[i].drive)
-            read_primary(e, f, pc, how, i);
+            read_primary(e, f, pc, how, i, 1);
     if (!p)
         return 0;
     int err = 0;
@@ -802,7 +811,7 @@ static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const readin
         atomic_fetch_add(e->ctr.fallbacks, 1);
         if (pc[i].status == RES_CHANGED)
             atomic_fetch_or(&f->dropped, 1u << d);
-        read_primary(e, f, pc, how, i);
+        read_primary(e, f, pc, how, i, 0);
         if (pc[i].err)
             err = pc[i].err;
     }
@@ -876,7 +885,7 @@ static int relocate(void *arg, piece_t *pc, size_t n, void **release_arg) {
     return 0;
 }
 
-void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t size, off_t offset, int cached) {
+void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offset, int cached) {
     uint64_t off = (uint64_t)offset;
     uint64_t asked = off + size < f->size ? off + size : f->size;
     if (off >= asked) {
@@ -889,11 +898,8 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
     int via = cached ? stretch_serve(e, req, f, off, asked) : 0;
     if (via > 0)
         return; /* answered from a whole-extent read (stretch.c) */
-    /* A page-cache reader's first touch of an expert reads all of it (prefetch.c). */
-    uint64_t from = off, end = asked;
-    int ahead = cached && prefetch_range(e, f, off, asked, &from, &end);
-    uint64_t start = from & ~(uint64_t)(BLOCK - 1);
-    uint64_t stop = (end + BLOCK - 1) & ~(uint64_t)(BLOCK - 1);
+    uint64_t start = off & ~(uint64_t)(BLOCK - 1);
+    uint64_t stop = (asked + BLOCK - 1) & ~(uint64_t)(BLOCK - 1);
     size_t len = stop - start, cap = runs_bound(f, start, stop);
     piece_t small[REQ_BUF / BLOCK + 2];
     piece_t *pc = cap > sizeof small / sizeof *small ? malloc(cap * sizeof *pc) : small;
@@ -907,11 +913,11 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
         err = ENOMEM;
         goto out;
     }
-    size_t n = plan_runs(e, f, start, end, stop, from, via < 0, pc); /* via < 0: a stretch's mirror failed */
+    size_t n = plan_runs(e, f, start, asked, stop, off, via < 0, pc); /* via < 0: a stretch's mirror failed */
     for (size_t i = 0; i < n; i++)
         pc[i].dst = buf + (pc[i].start - start);
     reading_t how = {.abandon = relocate, .release = release_buffer, .arg = &mem, .reread_timeouts = 1,
-                     .count_from = from, .count_to = end};
+                     .count_from = off, .count_to = asked};
     err = read_pieces(e, f, pc, n, &how, &nt);
     buf = mem.buf; /* another one if some mirror pieces timed out */
     for (size_t i = 0; i < n && !err; i++) {
@@ -919,8 +925,6 @@ void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t siz
         if ((uint64_t)pc[i].got < pc[i].end - pc[i].start)
             break; /* end of file (or the file shrank under us) */
     }
-    if (valid > end)
-        valid = end;
     if (!err) {
         uint64_t reply_end = valid < asked ? valid : asked;
         fuse_reply_buf(req, reply_end > off ? buf + (off - start) : NULL, reply_end > off ? reply_end - off : 0);
@@ -929,8 +933,6 @@ out:
     if (err)
         fuse_reply_err(req, err);
     send_notes(e, f, &nt); /* after the reply: Python takes its time */
-    if (ahead) /* after the reply: the request's own pages are unlocked by then */
-        prefetch_store(e, ino, f, buf, start, off, asked, err ? from : valid, from, end);
     if (buf)
         done_with(buf);
     if (pc != small)

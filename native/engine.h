@@ -10,8 +10,7 @@
  * Files: fs.c (the FUSE handlers), drives.c (per-drive threads and the read fan-out),
  * passthrough.c (page-cache opens the kernel reads from the primary itself),
  * stretch.c (whole-extent reads that answer page-cache readers from a bounded buffer),
- * prefetch.c (expert-aware read-ahead into the page cache), module.c (the Python type that
- * builds the tables and runs the loop).
+ * module.c (the Python type that builds the tables and runs the loop).
  */
 #ifndef COLIFS_ENGINE_H
 #define COLIFS_ENGINE_H
@@ -84,8 +83,6 @@ typedef struct {
     int32_t *seg_key;
     uint32_t *seg_pos;
     int8_t *seg_rot;
-    _Atomic uint64_t *seg_prefetched; /* nseg, with prefetch on: monotonic ns of the last prefetch of
-                                       * the extent that begins at the segment */
     /* Descriptors, shared by all opens of the file. */
     pthread_mutex_t lock;
     pthread_cond_t opened; /* a mirror open finished */
@@ -162,13 +159,13 @@ typedef struct {
 typedef struct {
     _Atomic uint64_t *drive_bytes, *drive_reads, *drive_errors, *drive_busy;
     _Atomic uint64_t *drive_busy_ns;      /* time with a read running on the drive (its rate's base) */
+    _Atomic uint64_t *drive_spilled;      /* bytes the routes gave the drive that went to another
+                                             (--routing queue: it had a backlog) */
     _Atomic uint64_t *fallbacks;          /* [0] fallbacks, [1] late mirror jobs skipped unread */
     _Atomic uint64_t *key_bytes;          /* nkeys x nrep: bytes routed per key and drive */
     _Atomic uint64_t *key_reads;          /* nkeys */
     _Atomic uint64_t *file_bytes, *file_reads; /* nfiles */
     _Atomic uint64_t *drive_ok;           /* successful mirror reads: health needs "in a row" */
-    _Atomic uint64_t *prefetch;           /* [0] bytes stored ahead, [1] prefetches, [2] bytes asked
-                                             again soon after their key's prefetch */
     _Atomic uint64_t *stretch;            /* stretch.c: [0] stretches read, [1] bytes read into them,
                                              [2] requests answered from one, [3] of them waited for its
                                              read, [4] bytes answered, [5] bytes held now, [6] stretches
@@ -188,9 +185,7 @@ typedef struct engine {
     int fuse_threads, drive_threads;
     _Atomic uint32_t up;       /* drives in the routing (bit d); the primary's bit is always set */
     _Atomic uint32_t no_direct_warned;
-    uint64_t prefetch_max;     /* bytes an expert's first page-cache read may read ahead; 0: off */
-    _Atomic int prefetch_paused; /* by Python, while memory is short */
-    uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys prefetch works on) */
+    uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys stretches work on) */
     int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */
     int queue_routing;         /* each piece to the drive that reads it first (drives.c quickest) */
     _Atomic uint64_t queued[MAX_REPLICAS]; /* bytes handed to each drive and not read yet */
@@ -219,14 +214,6 @@ typedef struct engine {
     char *mountpoint;
     pthread_t loop_thread;
     _Atomic int looping;
-
-    /* prefetch.c: stores into the page cache, on a thread of their own */
-    pthread_mutex_t store_m;
-    pthread_cond_t store_c;
-    struct store_job *store_head, *store_tail;
-    int store_stop, store_started;
-    pthread_t store_thread;
-    _Atomic uint64_t store_inflight;
 
     /* stretch.c: the whole-extent buffer. Lock rules: stretches.m guards the list, every
      * stretch's fields but its bytes, and the free units; a stretch's bytes are written only while
@@ -258,7 +245,7 @@ node_t *engine_node(engine_t *e, uint64_t ino);
 /* drives.c */
 int drives_start(engine_t *e);
 void drives_stop(engine_t *e);
-void serve_read(engine_t *e, fuse_req_t req, uint64_t ino, file_t *f, size_t size, off_t off, int cached);
+void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int cached);
 size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
                  int primary_only, piece_t *runs);
@@ -292,12 +279,5 @@ int passthrough_setup(engine_t *e); /* after fuse_session_mount; 0 or an errno *
 int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id);
 void file_release_kernel(engine_t *e, file_t *f, int passed);
 void passthrough_reply_next(int32_t backing_id); /* the open reply this thread writes next; 0: none */
-
-/* prefetch.c */
-int prefetch_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, uint64_t *from, uint64_t *to);
-void prefetch_store(engine_t *e, uint64_t ino, file_t *f, const char *data, uint64_t start, uint64_t off,
-                    uint64_t asked, uint64_t got_end, uint64_t from, uint64_t to);
-int prefetch_start(engine_t *e);
-void prefetch_stop(engine_t *e);
 
 #endif

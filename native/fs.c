@@ -18,7 +18,7 @@ typedef struct {
     file_t *f;
     char *data; /* control files: the snapshot taken at open */
     size_t len;
-    int cached; /* opened without O_DIRECT: its reads fill the page cache (prefetch helps them) */
+    int cached; /* opened without O_DIRECT: its reads fill the page cache (stretches answer them) */
     int passed; /* passed through: the kernel reads the primary itself (passthrough.c) */
 } handle_t;
 
@@ -213,6 +213,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
 }
 
 static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info *fi) {
+    (void)ino; /* the handle holds the file */
     handle_t *h = (handle_t *)(uintptr_t)fi->fh;
     if (h->kind == H_CONTROL) {
         size_t o = off < 0 ? 0 : (size_t)off;
@@ -220,7 +221,7 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
         fuse_reply_buf(req, h->data + (o < h->len ? o : h->len), n < size ? n : size);
         return;
     }
-    serve_read(eng(req), req, ino, h->f, size, off, h->cached);
+    serve_read(eng(req), req, h->f, size, off, h->cached);
 }
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {

@@ -244,9 +244,7 @@ static int load_file(engine_t *e, file_t *f, PyObject *t) {
     f->seg_key = malloc((size_t)nk + 4);
     f->seg_pos = malloc((size_t)np + 4);
     f->seg_rot = malloc((size_t)nr + 1);
-    f->seg_prefetched = e->prefetch_max && nseg ? calloc(nseg, sizeof *f->seg_prefetched) : NULL;
-    if (!f->seg_start || !f->seg_key || !f->seg_pos || !f->seg_rot ||
-        (e->prefetch_max && nseg && !f->seg_prefetched)) {
+    if (!f->seg_start || !f->seg_key || !f->seg_pos || !f->seg_rot) {
         PyErr_NoMemory();
         return -1;
     }
@@ -291,7 +289,7 @@ static int load_files(engine_t *e, PyObject *files) {
 /* The counters live in memory Python owns, laid out as colifs.native.NativeCounters says. */
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t r = (size_t)e->nrep;
-    size_t words = 6 * r + 2 + 3 + 7 + 4 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 7 * r + 2 + 7 + 4 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -304,8 +302,8 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     e->ctr.drive_busy = p, p += r;
     e->ctr.drive_ok = p, p += r;
     e->ctr.drive_busy_ns = p, p += r;
+    e->ctr.drive_spilled = p, p += r;
     e->ctr.fallbacks = p, p += 2;
-    e->ctr.prefetch = p, p += 3;
     e->ctr.stretch = p, p += 7;
     e->ctr.passthrough = p, p += 4;
     e->ctr.key_bytes = p, p += e->nkeys * r;
@@ -320,14 +318,13 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
-                            "xattr", "listxattr", "event", "routes", "prefetch_max", "expert_keys", "stretch_units",
+                            "xattr", "listxattr", "event", "routes", "expert_keys", "stretch_units",
                             "passthrough", "queue_routing", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters, *calls[4];
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
-    unsigned long long prefetch_max = 0;
     Py_ssize_t stretch_units = 0;
     int passthrough = 0, queue_routing = 0;
     Py_buffer experts = {0}, routes = {0};
@@ -335,10 +332,10 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|Ky*npp", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|y*npp", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
-                                     &prefetch_max, &experts, &stretch_units, &passthrough, &queue_routing))
+                                     &experts, &stretch_units, &passthrough, &queue_routing))
         return -1;
     /* Owned from here, whatever fails below: dealloc releases them (and a second __init__ after a
      * failed one, the first one's). */
@@ -371,7 +368,6 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         PyErr_NoMemory();
         return -1;
     }
-    pe->prefetch_max = nkeys > 0 ? (uint64_t)prefetch_max : 0;
     engine_t *e = &self->e;
     Py_ssize_t nrep = PySequence_Size(roots);
     if (nrep < 1 || nrep > MAX_REPLICAS || fuse_threads < 1 || drive_threads < 1 || nkeys < 0) {
@@ -544,7 +540,6 @@ static PyObject *Engine_set_memory_short(EngineObject *self, PyObject *args) {
     int is_short;
     if (!PyArg_ParseTuple(args, "p", &is_short))
         return NULL;
-    atomic_store(&self->e.prefetch_paused, is_short);
     Py_BEGIN_ALLOW_THREADS;
     stretch_pause(&self->e, is_short);
     Py_END_ALLOW_THREADS;
@@ -583,7 +578,6 @@ static void Engine_dealloc(EngineObject *self) {
             free(e->files[i].relpath);
             free(e->files[i].seg_start);
             free(e->files[i].seg_key);
-            free(e->files[i].seg_prefetched);
             free(e->files[i].seg_pos);
             free(e->files[i].seg_rot);
         }
@@ -617,7 +611,7 @@ static PyMethodDef Engine_methods[] = {
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,
-     "set_memory_short(short): pause (or resume) the prefetch and new stretches, and give back the "
+     "set_memory_short(short): pause (or resume) new stretches, and give back the "
      "stretch buffer's unused memory."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},
     {NULL, NULL, 0, NULL},

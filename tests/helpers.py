@@ -7,6 +7,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -24,7 +25,7 @@ from colifs.formats import format_of
 from colifs.fs import ColiFS
 from colifs.kernel import mount_type
 from colifs.layout import ExpertKey
-from colifs.synth import write_checkpoint
+from colifs.synth import write_checkpoint, write_gguf
 
 COLIFS = [sys.executable, "-m", "colifs"]
 ROOT = Path(__file__).resolve().parents[1]  # the repository
@@ -258,3 +259,22 @@ def plan_json(primary: Path, mirror: Path, *args: str) -> dict:
 
 def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:
+    """Where a routed expert's bytes are in one model file, extent by extent."""
+    fmt = format_of(path.name)
+    assert fmt is not None
+    return [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
+
+
+def fused_model(tmp_path: Path, layers: int, inter: int) -> tuple[Path, Path, Path]:
+    """(primary, mirror, model): a GGUF of 4 fused experts per layer, each three extents of
+    `inter` KiB x 2, one in each of three tensors."""
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    primary.mkdir()
+    write_gguf(
+        str(primary / "m.gguf"), "qwen3moe", layers=layers, experts=4, hidden=1024, inter=inter, qtype="F16"
+    )
+    shutil.copytree(primary, mirror)
+    return primary, mirror, primary / "m.gguf"

@@ -150,59 +150,6 @@ def bench(dirs: list[Path], args: argparse.Namespace, devs: list[str], *extra: s
     return json.loads(out.stdout)
 
 
-def prefetch_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict]) -> None:
-    """Page-cache readers (mmap, buffered), as llama.cpp's default mmap load reads: the fast drive
-    directly at two readaheads against colifs with and without expert prefetch, per routing."""
-    a, b = rig.dirs
-    w = f"{args.fast:g},{args.slow:g}"
-    readers = [
-        ("m1", "1 mmap reader", ("--threads", "1", "--mmap")),
-        ("b1", "1 buffered reader", ("--threads", "1", "--buffered")),
-        ("m4", "4 mmap readers", ("--threads", "4", "--mmap")),
-    ]
-    loop = rig.devnames()[0]
-    for kb in (128, 512):
-        Path(f"/sys/block/{loop}/queue/read_ahead_kb").write_text(f"{kb}\n")
-        for key, label, extra in readers:
-            phase(f"direct{kb}{key}", f"fast drive directly, readahead {kb}, {label}", [a], *extra)
-    Path(f"/sys/block/{loop}/queue/read_ahead_kb").write_text("128\n")
-    for routing in ("stripe", "expert"):
-        for prefetch in ("off", "expert"):
-            flags = ("--weights", w, "--routing", routing, "--prefetch", prefetch)
-            with colifs_mount([a, b], mnt, *flags) as st:
-                for key, label, extra in readers:
-                    phase(
-                        f"{routing}-{prefetch}{key}",
-                        f"colifs {routing}, prefetch {prefetch}, {label}",
-                        [mnt],
-                        *extra,
-                    )
-            with contextlib.suppress(OSError, ValueError):
-                res[f"{routing}-{prefetch}m1"]["prefetch"] = st.get("prefetch")
-    _print_prefetch(args, res, readers)
-    wrapped = [k for k, r in res.items() if r["passes"]]
-    if wrapped:
-        print(f"INVALID: {', '.join(wrapped)} read every expert and began again: raise --model-gb")
-    if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "phases": res}, indent=1))
-
-
-def _print_prefetch(args: argparse.Namespace, res: dict[str, dict], readers: list[tuple]) -> None:
-    print()
-    print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; experts of {res['a']['expert_mb']:.1f} MB")
-    cols = [("direct128", "direct ra128"), ("direct512", "direct ra512")]
-    cols += [(f"{r}-{p}", f"{r}/{p}") for r in ("stripe", "expert") for p in ("off", "expert")]
-    print(f"{'readers':<20}" + "".join(f"{c:>15}" for _, c in cols))
-    for key, label, _ in readers:
-        best = max(res[f"direct128{key}"]["gb_per_s"], res[f"direct512{key}"]["gb_per_s"])
-        cells = []
-        for k, _ in cols:
-            g = res[f"{k}{key}"]["gb_per_s"]
-            cells.append(f"{g:.3f} ({g / best:.2f})")
-        print(f"{label:<20}" + "".join(f"{c:>15}" for c in cells))
-    print("(ratios: to the better of the two direct readaheads)")
-
-
 def stripe_study(args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict]) -> None:
     """Expert vs stripe routing for few and many readers, against the two drives' sum."""
     a, b = rig.dirs
@@ -501,12 +448,6 @@ def _parse() -> argparse.Namespace:
         help="only the routing study: expert vs stripe, 1 O_DIRECT reader, 1 mmap reader, 4 and 32 readers",
     )
     p.add_argument(
-        "--prefetch-study",
-        action="store_true",
-        help="only the prefetch study: mmap and buffered readers, the fast drive directly (readahead "
-        "128 and 512) against colifs with --prefetch off/expert, stripe and expert routing",
-    )
-    p.add_argument(
         "--partial-study",
         action="store_true",
         help="only the partial-mirror study: learn usage, stage a share of the shards, plain vs informed",
@@ -589,7 +530,7 @@ def main() -> int:
         a, b = rig.dirs
         phase("a", "primary directly", [a])
         phase("b", "mirror directly", [b])
-        studies = {"stripe_study": stripe_study, "prefetch_study": prefetch_study}
+        studies = {"stripe_study": stripe_study}
         for name, study in studies.items():
             if getattr(args, name):
                 study(args, phase, rig, mnt, res)

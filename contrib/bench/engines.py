@@ -45,7 +45,6 @@ CONFIGS = (
     "passthrough",
     "passthrough512",
     "threads4",
-    "prefetch",
     "expert",
     "stripe",
 )
@@ -102,11 +101,6 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
             "colifs, both, --passthrough, drive readahead 512 KiB", ["--weights", w, "--passthrough"], 512
         ),
         "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
-        "prefetch": Config(
-            "colifs, both, --prefetch expert",
-            ["--weights", w, "--prefetch", "expert"],
-            128,
-        ),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
         "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
     }

@@ -518,5 +518,6 @@ def test_queue_routing_spills_a_slow_mirrors_backlog_to_the_primary(tmp_path: Pa
         after = stats(mnt)
         served = [r["bytes_served"] for r in after["replicas"]]
         assert 0 < served[1] < 0.2 * sum(served), (served, rounds)
+        assert after["replicas"][1]["bytes_spilled"] > after["replicas"][0]["bytes_spilled"]
         assert after["fallbacks"] == 0 and after["balance"]["changes"] == 0  # the weights stayed 1,1
         print(f"\nmirror {served[1] / sum(served):.1%} of {sum(served) / 1e6:.0f} MB in {rounds} rounds")

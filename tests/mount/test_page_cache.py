@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 
 from colifs.layout import ExpertKey
-from tests.helpers import drop_file_cache, mounted
+from tests.helpers import drop_file_cache, extents_of, fused_model, mounted
 from tests.mount.test_faults import read_all, stats, through_faultfs
-from tests.mount.test_prefetch import extents_of, fused_model
 
 pytestmark = pytest.mark.mounts
 

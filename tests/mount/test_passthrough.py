@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import drop_file_cache, mounted, run_colifs
-from tests.mount.test_prefetch import fused_model
+from tests.helpers import drop_file_cache, fused_model, mounted, run_colifs
 
 pytestmark = pytest.mark.mounts
 

@@ -66,7 +66,7 @@ def test_as_dict_says_state_and_why() -> None:
     ("short", "share", "after"),
     [(False, 0.5, False), (False, 0.09, True), (True, 0.12, True), (True, 0.16, False), (False, 0.12, False)],
 )
-def test_prefetch_pauses_while_memory_is_short(short: bool, share: float, after: bool) -> None:
+def test_the_extent_buffer_pauses_while_memory_is_short(short: bool, share: float, after: bool) -> None:
     from colifs.native import memory_available, memory_short
 
     assert memory_short(short, share) is after
