@@ -2,7 +2,9 @@
 
 Per replica, one after the other: `parallel` threads read ~19 MB pieces (an expert's size in big
 MoE models) at spread offsets of the largest model files that replica holds, with O_DIRECT (the
-page cache would fake the result), for at most `seconds`. The weights are the MB/s figures.
+page cache would fake the result), for at most `seconds`. The weights are the MB/s figures, but
+copies on one drive (colifs.devices) share that drive's figure: probed one at a time, each of them
+measured the whole drive.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from colifs.buffers import align_down
+from colifs.devices import as_one_drive, drive_of, shared
 from colifs.replicas import Replica, ServedFile
 
 log = logging.getLogger("colifs")
@@ -32,6 +35,7 @@ class ProbeResult:
     nbytes: int
     seconds: float
     direct: bool
+    one_drive_with: tuple[int, ...] = ()  # the replicas (indices) on this one's drive, itself included
 
 
 def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
@@ -126,13 +130,24 @@ def probe(
                 r.root,
             )
         results.append(res)
+    for group in shared([drive_of(r.root) for r in replicas]):
+        names = ", ".join(replicas[i].root for i in group)
+        log.warning(
+            "%s are on one drive: reading them all adds no bandwidth; their probed weights share "
+            "that drive's MB/s",
+            names,
+        )
+        for i in group:
+            results[i] = replace(results[i], one_drive_with=tuple(group))
     return results
 
 
 def weights_from(results: Sequence[ProbeResult]) -> list[float]:
     """MB/s per replica, to 3 significant digits; a replica with nothing to read gets the primary's."""
     primary = results[0].mb_per_s or 1.0
-    return [float(f"{(r.mb_per_s or primary):.3g}") for r in results]
+    rates = [r.mb_per_s or primary for r in results]
+    groups = {r.one_drive_with for r in results if r.one_drive_with}
+    return [float(f"{w:.3g}") for w in as_one_drive(rates, sorted(groups))]
 
 
 def table(results: Sequence[ProbeResult]) -> str:
@@ -140,8 +155,11 @@ def table(results: Sequence[ProbeResult]) -> str:
     for r in results:
         rate = "-" if r.mb_per_s is None else f"{r.mb_per_s:.1f}"
         direct = "yes" if r.direct else "NO"
+        others = [i for i in r.one_drive_with if results[i] is not r]
+        shared_with = ", ".join("the primary" if i == 0 else f"mirror {i}" for i in others)
         rows.append(
             f"{r.replica.role:<8} {r.replica.root:<40} {rate:>9} {r.nbytes / 1e6:>7.0f}MB {direct:>8}"
+            + (f"  one drive with {shared_with}" if shared_with else "")
         )
     w = weights_from(results)
     rows.append("suggested: --weights " + ",".join(f"{x:g}" for x in w))

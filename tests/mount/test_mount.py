@@ -463,7 +463,10 @@ def test_umount_clears_a_stale_mount_whose_daemon_was_killed(model) -> None:
 # -- probe and kernel knobs ----------------------------------------------------------------------
 
 
+@pytest.mark.daemon_warns("are on one drive")
 def test_without_weights_the_mount_probes_each_drive(model) -> None:
+    """The suite's copies are directories on one filesystem: probed one at a time, each measured
+    the whole drive, so they share its figure (one warning), and the weights split it evenly."""
     primary, mirror, mnt = model
     with mounted(primary, [mirror], mnt, "--probe-seconds", "0.5") as m:
         st = m.stats()
@@ -471,8 +474,10 @@ def test_without_weights_the_mount_probes_each_drive(model) -> None:
         assert [p["path"] for p in st["probe"]] == [str(primary), str(mirror)]
         rates = [p["mb_per_s"] for p in st["probe"]]
         assert all(r > 0 for r in rates)
-        assert [r["weight"] for r in st["replicas"]] == [float(f"{x:.3g}") for x in rates]
+        half = float(f"{max(rates) / 2:.3g}")
+        assert [r["weight"] for r in st["replicas"]] == [half, half]
         assert "probe: suggested: --weights" in m.stderr
+        assert m.stderr.count("are on one drive") == 1, m.stderr
 
 
 def test_no_probe_means_equal_weights(model) -> None:
@@ -490,7 +495,11 @@ def test_probe_command_prints_a_table_and_suggested_weights(model) -> None:
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["replica", "path", "MB/s"]
     assert lines[1].startswith("primary") and lines[2].startswith("mirror")
+    assert lines[1].endswith("one drive with mirror 1") and lines[2].endswith("one drive with the primary")
     assert lines[3].startswith("suggested: --weights ")
+    a, b = lines[3].split()[-1].split(",")
+    assert a == b, lines  # one drive: its figure split evenly
+    assert "are on one drive" in out.stderr
     refuse(["probe", str(primary / "nope")], 2, "does not exist")
 
 
