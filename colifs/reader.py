@@ -13,7 +13,7 @@ import math
 import mmap
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import outcome
 import trio
@@ -43,6 +43,8 @@ class OpenFile:
     fds: list[int | None]  # per replica; None = not used for this file
     usable: set[int]  # the replicas it may be read from (opened, unchanged): the primary always
     detached: set[int]  # mirrors not opened yet because they were down
+    epochs: list[int]  # per replica: the Reader's epoch when its descriptor was opened
+    retired: list[int] = field(default_factory=list)  # replaced descriptors, closed with the file
     refs: int = 1
 
     def hold(self) -> None:
@@ -59,9 +61,22 @@ class OpenFile:
         self.detached.difference_update(ready)
         return ready
 
-    def attach(self, drive: int, fd: int) -> None:
+    def attach(self, drive: int, fd: int, epoch: int) -> None:
         self.fds[drive] = fd
+        self.epochs[drive] = epoch
         self.usable.add(drive)
+
+    def renew(self, epochs: Sequence[int]) -> None:
+        """Mirror descriptors opened before their mirror last came back up may be dead (its
+        filesystem mounted again): detached, to be opened again; the old ones close with the file
+        (a read given up on may still use one)."""
+        for d in sorted(self.usable - {0}):
+            fd = self.fds[d]
+            if self.epochs[d] != epochs[d] and fd is not None:
+                self.retired.append(fd)
+                self.fds[d] = None
+                self.usable.discard(d)
+                self.detached.add(d)
 
     def stop_using(self, drive: int) -> None:
         """A mirror copy that changed: no more reads from it (its descriptor closes with the file)."""
@@ -91,6 +106,7 @@ class Reader:
         self.striping = router.striping
         self.health = health  # [0], the primary's, is never failed
         self._down: set[int] = set()
+        self._epoch = [0] * len(replicas)  # +1 each time a mirror comes back up: reopen its copies
         self._went_down = trio.Event()
         self.replicas = list(replicas)
         self.workers = list(workers)
@@ -110,7 +126,7 @@ class Reader:
             of = self._open.get(f.relpath)
             if of is None:
                 fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
-                of = self._open[f.relpath] = OpenFile(f, fds, {0}, set(f.copies[1:]))
+                of = self._open[f.relpath] = OpenFile(f, fds, {0}, set(f.copies[1:]), list(self._epoch))
                 await self._attach(of)
                 return of
             self.io.close(fd)  # another task opened it meanwhile
@@ -140,7 +156,7 @@ class Reader:
             except Changed as e:
                 self.mirrors.changed(f, i, str(e))
             else:
-                of.attach(i, fd)
+                of.attach(i, fd, self._epoch[i])
 
     def open_files(self) -> int:
         """Files with descriptors open now (0 once every open was released)."""
@@ -149,7 +165,7 @@ class Reader:
     def release(self, of: OpenFile) -> None:
         if of.let_go():
             del self._open[of.file.relpath]
-            for fd in of.fds:
+            for fd in [*of.fds, *of.retired]:
                 if fd is not None:
                     self.io.close(fd)
 
@@ -200,6 +216,7 @@ class Reader:
         end = min(off + size, of.file.size)
         if off >= end:
             return b""
+        of.renew(self._epoch)
         if of.detached and not of.detached <= self._down:
             await self._attach(of)  # a mirror that was down when the file was opened is back
         if self.tally is not None:
@@ -323,6 +340,8 @@ class Reader:
 
     def _set_up(self, drive: int, up: bool) -> None:
         if up:
+            if drive in self._down:
+                self._epoch[drive] += 1
             self._down.discard(drive)
         else:
             self._down.add(drive)

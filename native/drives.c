@@ -169,23 +169,48 @@ void file_release(engine_t *e, file_t *f) {
             if (fd >= 0)
                 close(fd);
         }
+        while (f->nretired > 0)
+            close(f->retired[--f->nretired]);
         pthread_cond_broadcast(&f->opened);
     }
     pthread_mutex_unlock(&f->lock);
 }
 
-/* The mirror copy's descriptor, opened (and checked unchanged) on first use. The open runs without
- * the file's lock: on a hung mirror it may never return, and opens and releases of the file must
- * not wait for it. Other drive threads wait for it (their requests have their own timeouts). */
+/* A descriptor (or failed open) from before the mirror last came back up, f->lock held: retired
+ * (closed with the file's last release: jobs may still read it) so that the copy is opened again.
+ * Returns the descriptor to use now: FD_CLOSED to open again, or the old one when too many were
+ * retired already. */
+static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
+    uint32_t now = atomic_load(&e->epoch[d]);
+    if ((fd < 0 && fd != FD_FAILED) || atomic_load(&f->fd_epoch[d]) == now)
+        return fd;
+    if (fd >= 0 && f->nretired == RETIRED_FDS) {
+        atomic_store(&f->fd_epoch[d], now); /* keep it: a flapping drive must not exhaust descriptors */
+        return fd;
+    }
+    if (fd >= 0)
+        f->retired[f->nretired++] = fd;
+    atomic_store(&f->fd[d], FD_CLOSED);
+    return FD_CLOSED;
+}
+
+/* The mirror copy's descriptor, opened (and checked unchanged) on first use, and again once its
+ * mirror came back up. The open runs without the file's lock: on a hung mirror it may never
+ * return, and opens and releases of the file must not wait for it. Other drive threads wait for
+ * it (their requests have their own timeouts). The job's reference on the file keeps the
+ * descriptor open while the job reads it. */
 static int mirror_fd(engine_t *e, job_t *j) {
     file_t *f = j->f;
     int d = j->drive;
     int fd = atomic_load(&f->fd[d]);
-    if (fd >= 0 || fd == FD_FAILED)
+    uint32_t epoch = atomic_load(&e->epoch[d]);
+    if ((fd >= 0 || fd == FD_FAILED) && atomic_load(&f->fd_epoch[d]) == epoch)
         return fd;
     pthread_mutex_lock(&f->lock);
     while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
         pthread_cond_wait(&f->opened, &f->lock);
+    if (f->refs > 0)
+        fd = renew_locked(e, f, d, fd);
     if (fd != FD_CLOSED || f->refs == 0) { /* not open any more: a late job nobody waits for */
         pthread_mutex_unlock(&f->lock);
         if (fd == FD_CLOSED) {
@@ -220,6 +245,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
             f->direct[d] = direct;
         else
             fd = j->no_fds ? FD_CLOSED : FD_FAILED; /* out of descriptors: tried again later */
+        atomic_store(&f->fd_epoch[d], epoch);
         atomic_store(&f->fd[d], fd);
     }
     pthread_cond_broadcast(&f->opened);
@@ -328,7 +354,9 @@ static void *drive_main(void *arg) {
         }
         atomic_fetch_sub(&dr->e->ctr.drive_busy[j->drive], 1);
         atomic_fetch_sub(&dr->e->queued[j->drive], j->len);
-        finish_job(j);
+        file_t *f = j->f;
+        finish_job(j); /* j may be freed from here */
+        file_release(dr->e, f);
     }
 }
 
@@ -395,8 +423,9 @@ void drives_stop(engine_t *e) {
 static uint32_t usable(engine_t *e, file_t *f) {
     uint32_t m = f->mask & atomic_load(&e->up) & ~atomic_load(&f->dropped);
     for (int d = 1; d < e->nrep; d++)
-        if ((m & (1u << d)) && atomic_load(&f->fd[d]) == FD_FAILED)
-            m &= ~(1u << d);
+        if ((m & (1u << d)) && atomic_load(&f->fd[d]) == FD_FAILED &&
+            atomic_load(&f->fd_epoch[d]) == atomic_load(&e->epoch[d]))
+            m &= ~(1u << d); /* failed to open since the mirror was last up */
     return m | 1u;
 }
 
@@ -766,6 +795,12 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
         inline_bytes += pc[i].drive ? 0 : pc[i].end - pc[i].start;
     atomic_fetch_add(&e->queued[0], inline_bytes);
     if (p) {
+        /* Each job holds the file open until it is done: a reading that gives up on a late job
+         * may release the file meanwhile, and a descriptor closed under the job could be reused
+         * by any other open (a /dev/fuse clone, say) before its pread. */
+        pthread_mutex_lock(&f->lock);
+        f->refs += (int)nm;
+        pthread_mutex_unlock(&f->lock);
         size_t j = 0;
         for (size_t i = 0; i < n; i++) {
             if (!pc[i].drive)

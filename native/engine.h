@@ -32,7 +32,9 @@
 #define STRIPE_SLOTS 64    /* length of a stripe sequence (colifs.routing.STRIPE_SLOTS) */
 #define NOT_STRIPED (-1)   /* a segment's key is kept whole on one drive */
 #define FD_CLOSED (-1)
-#define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open */
+#define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
+                          (unless its mirror comes back up: engine.epoch) */
+#define RETIRED_FDS 8 /* descriptors a file replaces before its last release: then it keeps the old */
 #define FD_OPENING (-3) /* a drive thread is opening it (without the lock: the open may hang) */
 
 enum node_kind { NODE_DIR = 1, NODE_REG, NODE_LNK, NODE_CONTROL_DIR, NODE_CONTROL_FILE };
@@ -83,13 +85,19 @@ typedef struct {
     int32_t *seg_key;
     uint32_t *seg_pos;
     int8_t *seg_rot;
-    /* Descriptors, shared by all opens of the file. */
+    /* Descriptors, shared by all opens of the file and held by every mirror job on it (refs: a
+     * descriptor is closed only once no job can still read it, so its number is never reused
+     * under a late job). Lock rules: lock guards refs, generation, retired and the changes of fd
+     * and fd_epoch; readers load fd and fd_epoch without it (a job's ref keeps them valid). */
     pthread_mutex_t lock;
     pthread_cond_t opened; /* a mirror open finished */
     int refs;
     uint64_t generation;   /* +1 each time the last open is released: a late open is then closed */
     _Atomic int fd[MAX_REPLICAS];
     int direct[MAX_REPLICAS];
+    _Atomic uint32_t fd_epoch[MAX_REPLICAS]; /* engine.epoch[d] when fd[d] was opened (or failed) */
+    int retired[RETIRED_FDS];              /* replaced descriptors, closed with the last release */
+    int nretired;
     /* The kernel's opens of the file, by mode (passthrough.c: all in one mode at a time). */
     int served_opens, pt_opens;
     int32_t backing_id; /* the kernel's id of the primary's copy while pt_opens > 0 */
@@ -184,6 +192,8 @@ typedef struct engine {
     double mirror_timeout;     /* seconds; 0: wait for ever */
     int fuse_threads, drive_threads;
     _Atomic uint32_t up;       /* drives in the routing (bit d); the primary's bit is always set */
+    _Atomic uint32_t epoch[MAX_REPLICAS]; /* +1 each time a mirror comes back up (a check read
+                                             passed): descriptors opened before are opened again */
     _Atomic uint32_t no_direct_warned;
     uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys stretches work on) */
     int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */

@@ -516,9 +516,12 @@ static PyObject *Engine_set_up(EngineObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "no such mirror");
         return NULL;
     }
-    if (up)
-        atomic_fetch_or(&self->e.up, 1u << drive);
-    else
+    if (up) {
+        /* Back up: its copies' descriptors may be dead (its filesystem remounted, a USB re-plug, a
+         * restarted FUSE mirror) while the check read opened a fresh one: open them again. */
+        if (!(atomic_fetch_or(&self->e.up, 1u << drive) & (1u << drive)))
+            atomic_fetch_add(&self->e.epoch[drive], 1);
+    } else
         atomic_fetch_and(&self->e.up, ~(1u << drive));
     Py_RETURN_NONE;
 }

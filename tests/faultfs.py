@@ -5,7 +5,8 @@
 Serves the files of the flat directory SOURCE read-only. Every read looks at the CONTROL file:
 `ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them, `hang` holds
 the read until the mode changes (then answers it as the new mode says), `hang-open` holds every
-open until the mode changes (reads pass). Files are
+open until the mode changes (reads pass), `stale` fails (EIO) every read on a file opened before
+it was set, as the old descriptors of a filesystem mounted again do (new opens read). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
 at once. `slow MBPS` passes the bytes through at MBPS MB/s in all (a drive that slowed down).
 Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
@@ -31,10 +32,18 @@ class FaultFS(pyfuse3.Operations):
         self.paths = {i + 2: os.path.join(source, n) for i, n in enumerate(names)}
         self.fds: dict[int, int] = {}
         self.free_at = 0.0  # `slow`: when the "drive" has served what it was asked so far
+        self.opened: dict[int, int] = {}  # fh -> the open's serial number
+        self.serial = 0
+        self.last_mode = "ok"
+        self.stale_before = 0  # `stale`: opens with a lower serial fail their reads
 
     def _mode(self) -> str:
         with open(self.control) as f:
-            return f.read().strip()
+            mode = f.read().strip()
+        if mode == "stale" and self.last_mode != "stale":
+            self.stale_before = self.serial + 1
+        self.last_mode = mode
+        return mode
 
     async def getattr(self, inode: int, ctx: object = None) -> pyfuse3.EntryAttributes:
         st = os.lstat(self.source if inode == pyfuse3.ROOT_INODE else self.paths[inode])
@@ -68,6 +77,8 @@ class FaultFS(pyfuse3.Operations):
             await trio.sleep(0.05)
         fd = os.open(self.paths[inode], os.O_RDONLY)
         self.fds[fd] = inode
+        self.serial += 1
+        self.opened[fd] = self.serial
         return pyfuse3.FileInfo(fh=fd, direct_io=True)
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -75,7 +86,7 @@ class FaultFS(pyfuse3.Operations):
         while mode == "hang":
             await trio.sleep(0.05)
             mode = self._mode()
-        if mode == "eio":
+        if mode == "eio" or (mode == "stale" and self.opened.get(fh, 0) < self.stale_before):
             raise pyfuse3.FUSEError(errno.EIO)
         if mode.startswith("slow "):
             self.free_at = max(trio.current_time(), self.free_at) + size / (float(mode.split()[1]) * 1e6)
@@ -85,6 +96,7 @@ class FaultFS(pyfuse3.Operations):
 
     async def release(self, fh: int) -> None:
         self.fds.pop(fh, None)
+        self.opened.pop(fh, None)
         os.close(fh)
 
     async def statfs(self, ctx: object) -> pyfuse3.StatvfsData:
