@@ -35,6 +35,9 @@ OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)  # an open that fails so says 
 log = logging.getLogger("colifs")
 
 
+RETIRED_FDS = 8  # replaced descriptors one open file keeps (as native/engine.h)
+
+
 @dataclass(slots=True)
 class OpenFile:
     """Descriptors of one served file, shared by all its FUSE opens (refcounted)."""
@@ -69,10 +72,11 @@ class OpenFile:
     def renew(self, epochs: Sequence[int]) -> None:
         """Mirror descriptors opened before their mirror last came back up may be dead (its
         filesystem mounted again): detached, to be opened again; the old ones close with the file
-        (a read given up on may still use one)."""
+        (a read given up on may still use one), at most RETIRED_FDS of them (past that the old
+        one stays: a flapping mirror must not take every descriptor)."""
         for d in sorted(self.usable - {0}):
             fd = self.fds[d]
-            if self.epochs[d] != epochs[d] and fd is not None:
+            if self.epochs[d] != epochs[d] and fd is not None and len(self.retired) < RETIRED_FDS:
                 self.retired.append(fd)
                 self.fds[d] = None
                 self.usable.discard(d)
@@ -142,6 +146,7 @@ class Reader:
         for i in of.reattach(self._down):
             if i not in f.copies:
                 continue
+            epoch = self._epoch[i]  # before the open: a comeback while it runs renews it
             try:
                 fd = await self.workers[i].run(
                     open_checked, self.io, self._path(i, f), f.identities[i], on_late=self._close_late
@@ -156,7 +161,7 @@ class Reader:
             except Changed as e:
                 self.mirrors.changed(f, i, str(e))
             else:
-                of.attach(i, fd, self._epoch[i])
+                of.attach(i, fd, epoch)
 
     def open_files(self) -> int:
         """Files with descriptors open now (0 once every open was released)."""

@@ -176,8 +176,19 @@ void file_release(engine_t *e, file_t *f) {
     pthread_mutex_unlock(&f->lock);
 }
 
+/* A mirror job on f is over: the descriptors retired meanwhile close once no job can read them
+ * (every job that may hold one was counted before it was queued), then its hold on f ends. */
+static void job_done(engine_t *e, file_t *f) {
+    pthread_mutex_lock(&f->lock);
+    if (--f->jobs == 0)
+        while (f->nretired > 0)
+            close(f->retired[--f->nretired]);
+    pthread_mutex_unlock(&f->lock);
+    file_release(e, f);
+}
+
 /* A descriptor (or failed open) from before the mirror last came back up, f->lock held: retired
- * (closed with the file's last release: jobs may still read it) so that the copy is opened again.
+ * (closed once no job runs: jobs may still read it) so that the copy is opened again.
  * Returns the descriptor to use now: FD_CLOSED to open again, or the old one when too many were
  * retired already. */
 static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
@@ -202,9 +213,10 @@ static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
 static int mirror_fd(engine_t *e, job_t *j) {
     file_t *f = j->f;
     int d = j->drive;
-    int fd = atomic_load(&f->fd[d]);
     uint32_t epoch = atomic_load(&e->epoch[d]);
-    if ((fd >= 0 || fd == FD_FAILED) && atomic_load(&f->fd_epoch[d]) == epoch)
+    uint32_t opened_at = atomic_load(&f->fd_epoch[d]); /* before fd: a renewal stores fd first */
+    int fd = atomic_load(&f->fd[d]);
+    if ((fd >= 0 || fd == FD_FAILED) && opened_at == epoch)
         return fd;
     pthread_mutex_lock(&f->lock);
     while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
@@ -221,6 +233,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
         return fd;
     }
     atomic_store(&f->fd[d], FD_OPENING);
+    epoch = atomic_load(&e->epoch[d]); /* what this open is from (the lock orders it after renew) */
     uint64_t generation = f->generation;
     pthread_mutex_unlock(&f->lock);
 
@@ -356,7 +369,7 @@ static void *drive_main(void *arg) {
         atomic_fetch_sub(&dr->e->queued[j->drive], j->len);
         file_t *f = j->f;
         finish_job(j); /* j may be freed from here */
-        file_release(dr->e, f);
+        job_done(dr->e, f);
     }
 }
 
@@ -410,8 +423,10 @@ void drives_stop(engine_t *e) {
         pthread_cond_broadcast(&dr->c);
         pthread_mutex_unlock(&dr->m);
         for (int t = 0; t < dr->nthreads; t++) {
-            if (pthread_timedjoin_np(dr->threads[t], NULL, &deadline) != 0)
+            if (pthread_timedjoin_np(dr->threads[t], NULL, &deadline) != 0) {
                 pthread_detach(dr->threads[t]);
+                e->threads_left = 1;
+            }
         }
         free(dr->threads);
         dr->threads = NULL;
@@ -800,6 +815,7 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
          * by any other open (a /dev/fuse clone, say) before its pread. */
         pthread_mutex_lock(&f->lock);
         f->refs += (int)nm;
+        f->jobs += (int)nm;
         pthread_mutex_unlock(&f->lock);
         size_t j = 0;
         for (size_t i = 0; i < n; i++) {

@@ -34,7 +34,7 @@
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
                           (unless its mirror comes back up: engine.epoch) */
-#define RETIRED_FDS 8 /* descriptors a file replaces before its last release: then it keeps the old */
+#define RETIRED_FDS 8 /* replaced descriptors a file holds while jobs run: past that it keeps the old */
 #define FD_OPENING (-3) /* a drive thread is opening it (without the lock: the open may hang) */
 
 enum node_kind { NODE_DIR = 1, NODE_REG, NODE_LNK, NODE_CONTROL_DIR, NODE_CONTROL_FILE };
@@ -94,9 +94,10 @@ typedef struct {
     int refs;
     uint64_t generation;   /* +1 each time the last open is released: a late open is then closed */
     _Atomic int fd[MAX_REPLICAS];
-    int direct[MAX_REPLICAS];
+    _Atomic int direct[MAX_REPLICAS];
     _Atomic uint32_t fd_epoch[MAX_REPLICAS]; /* engine.epoch[d] when fd[d] was opened (or failed) */
-    int retired[RETIRED_FDS];              /* replaced descriptors, closed with the last release */
+    int jobs;                              /* mirror jobs queued or running on the file */
+    int retired[RETIRED_FDS];              /* replaced descriptors: closed once no job runs */
     int nretired;
     /* The kernel's opens of the file, by mode (passthrough.c: all in one mode at a time). */
     int served_opens, pt_opens;
@@ -220,6 +221,7 @@ typedef struct engine {
     } activity[MAX_REPLICAS]; /* reads running per drive, for drive_busy_ns */
 
     drive_t drives[MAX_REPLICAS];
+    int threads_left;          /* drive threads detached stuck in a read: the tables must outlive them */
     struct fuse_session *se;
     char *mountpoint;
     pthread_t loop_thread;

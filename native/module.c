@@ -572,9 +572,11 @@ static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
 }
 
 static void Engine_dealloc(EngineObject *self) {
-    /* Tables and counters stay allocated if the session was never closed: threads may use them. */
+    /* Tables and counters stay allocated if the session was never closed, or if a drive thread
+     * was left stuck in a read on a hung mirror: threads may use them (a late job still releases
+     * its file and counts its bytes when its read returns). */
     engine_t *e = &self->e;
-    if (self->destroyed || !e->se) {
+    if ((self->destroyed || !e->se) && !e->threads_left) {
         if (e->se && !self->destroyed)
             fuse_session_destroy(e->se);
         for (size_t i = 0; i < e->nfiles; i++) {

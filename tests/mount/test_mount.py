@@ -463,7 +463,6 @@ def test_umount_clears_a_stale_mount_whose_daemon_was_killed(model) -> None:
 # -- probe and kernel knobs ----------------------------------------------------------------------
 
 
-@pytest.mark.daemon_warns("are on one drive")
 def test_without_weights_the_mount_probes_each_drive(model) -> None:
     """The suite's copies are directories on one filesystem: probed one at a time, each measured
     the whole drive, so they share its figure (one warning), and the weights split it evenly."""
