@@ -9,6 +9,8 @@ import logging
 import resource
 from collections.abc import Awaitable, Callable, Sequence
 
+import trio
+
 from colifs.backing import Changed
 from colifs.buffers import align_down
 from colifs.health import Health
@@ -40,6 +42,7 @@ class MirrorPolicy:
         self.files = list(files)  # what check reads read from
         self._set_up = set_up
         self._warn = WarnOnce()
+        self.checking: set[int] = set()  # mirrors whose check read is running
 
     def read_failed(self, f: ServedFile, drive: int, problem: str, timed_out: bool) -> None:
         """A mirror read failed (error, short read, timeout): counted; the file's reads go to the
@@ -86,6 +89,20 @@ class MirrorPolicy:
     def due(self) -> list[int]:
         """The down mirrors whose back-off is over."""
         return [d for d in range(1, len(self.replicas)) if self.health[d].due()]
+
+    def start_checks(self, nursery: trio.Nursery, read: CheckRead) -> None:
+        """A check for each down mirror whose back-off is over and whose last check has ended:
+        checks run side by side, so a mirror whose checks hang holds up no other's."""
+        for d in self.due():
+            if d not in self.checking:
+                self.checking.add(d)
+                nursery.start_soon(self._check_then_done, d, read)
+
+    async def _check_then_done(self, drive: int, read: CheckRead) -> None:
+        try:
+            await self.check(drive, read)
+        finally:
+            self.checking.discard(drive)
 
     async def check(self, drive: int, read: CheckRead) -> None:
         """One small read from a down mirror (a different file and offset each time): back in the

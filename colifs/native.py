@@ -395,12 +395,12 @@ class NativeEngine:
     async def watch(self) -> None:
         """Runs for the life of the mount: checks each down mirror once its back-off is over, and
         pauses the extent buffer while memory is short."""
-        while True:
-            for d in self.mirrors.due():
-                await self.mirrors.check(d, self._check_read)
-            if self.minds_memory:
-                self._mind_memory()
-            await trio.sleep(WATCH_TICK)
+        async with trio.open_nursery() as checks:
+            while True:
+                self.mirrors.start_checks(checks, self._check_read)
+                if self.minds_memory:
+                    self._mind_memory()
+                await trio.sleep(WATCH_TICK)
 
     def _mind_memory(self) -> None:
         """The extent buffer holds what nobody asked for yet: no new stretches while less than

@@ -36,6 +36,7 @@ log = logging.getLogger("colifs")
 
 
 RETIRED_FDS = 8  # replaced descriptors one open file keeps (as native/engine.h)
+CHECK_POLL = 0.25  # s between looks at the down mirrors while a check runs
 
 
 @dataclass(slots=True)
@@ -354,14 +355,17 @@ class Reader:
 
     async def watch(self) -> None:
         """Runs for the life of the mount: checks each down mirror once its back-off is over."""
-        while True:
-            for d in self.mirrors.due():
-                await self.mirrors.check(d, self._check_read)
-            wait = min((self.health[d].wait() for d in self._down), default=math.inf)
-            with trio.move_on_after(wait):
-                await self._went_down.wait()
-            if self._went_down.is_set():
-                self._went_down = trio.Event()
+        async with trio.open_nursery() as checks:
+            while True:
+                self.mirrors.start_checks(checks, self._check_read)
+                idle = [d for d in self._down if d not in self.mirrors.checking]
+                wait = min((self.health[d].wait() for d in idle), default=math.inf)
+                if self.mirrors.checking:
+                    wait = min(wait, CHECK_POLL)  # a check that fails sets the next back-off
+                with trio.move_on_after(wait):
+                    await self._went_down.wait()
+                if self._went_down.is_set():
+                    self._went_down = trio.Event()
 
     async def _check_read(self, drive: int, f: ServedFile | None, offset: int) -> None:
         if f is None:  # no file left on it to read: its directory must still be there

@@ -246,6 +246,43 @@ def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path:
         assert settled()
 
 
+def test_a_mirror_whose_checks_hang_holds_up_no_other_mirrors_comeback(tmp_path: Path) -> None:
+    """Two mirrors, both down; the first one's check reads hang (with --mirror-timeout 0 a check
+    may take 30 s), the second heals: it is back within seconds, not after the hung check."""
+    primary, source = setup_model(tmp_path)
+    a, b = tmp_path / "control-a", tmp_path / "control-b"
+    with (
+        faulty_mirror(source, tmp_path / "fa", a),
+        faulty_mirror(source, tmp_path / "fb", b),
+    ):
+        (tmp_path / "mnt").mkdir()
+        mirrors = (str(tmp_path / "fa"), str(tmp_path / "fb"))
+        args = ("--weights", "1,1,1", "--mirror-timeout", "0", "--routing", "expert")
+        out = run_colifs("mount", str(primary), *mirrors, str(tmp_path / "mnt"), *args)
+        assert out.returncode == 0, out.stderr
+        mnt = tmp_path / "mnt"
+        try:
+            a.write_text("eio")
+            read_all(mnt, primary)
+            assert stats(mnt)["replicas"][1]["health"]["state"] == "down"
+            a.write_text("hang")  # its next check read (after a 1 s back-off) never answers
+            b.write_text("eio")
+            read_all(mnt, primary)
+            assert stats(mnt)["replicas"][2]["health"]["state"] == "down"
+            time.sleep(1.5)  # the first mirror's check is hanging by now
+            b.write_text("ok")
+            t0 = time.monotonic()
+            while stats(mnt)["replicas"][2]["health"]["state"] != "up":
+                assert time.monotonic() - t0 < 8, stats(mnt)["replicas"][2]["health"]
+                time.sleep(0.1)
+            assert stats(mnt)["replicas"][1]["health"]["state"] == "down"
+            read_all(mnt, primary)
+        finally:
+            a.write_text("ok")  # the hung check returns
+            run_colifs("umount", str(mnt))
+            force_unmount(mnt)
+
+
 def daemon_threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
