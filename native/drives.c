@@ -160,30 +160,50 @@ int file_open_locked(engine_t *e, file_t *f) {
     return err;
 }
 
+/* Descriptors taken out of a file under its lock, closed once it is dropped: a close can block
+ * (a FUSE or NFS mirror's flush) and every open of the file waits for the lock. Nobody holds
+ * their numbers any more, and they stay taken until closed, so no open reuses one meanwhile. */
+typedef struct {
+    int fd[MAX_REPLICAS + RETIRED_FDS];
+    int n;
+} closing_t;
+
+static void take_retired_locked(file_t *f, closing_t *c) {
+    while (f->nretired > 0)
+        c->fd[c->n++] = f->retired[--f->nretired];
+}
+
+static void close_taken(closing_t *c) {
+    for (int i = 0; i < c->n; i++)
+        close(c->fd[i]);
+}
+
 void file_release(engine_t *e, file_t *f) {
+    closing_t c = {.n = 0};
     pthread_mutex_lock(&f->lock);
     if (--f->refs == 0) {
         f->generation++;
         for (int d = 0; d < e->nrep; d++) {
             int fd = atomic_exchange(&f->fd[d], FD_CLOSED);
             if (fd >= 0)
-                close(fd);
+                c.fd[c.n++] = fd;
         }
-        while (f->nretired > 0)
-            close(f->retired[--f->nretired]);
+        take_retired_locked(f, &c);
         pthread_cond_broadcast(&f->opened);
     }
     pthread_mutex_unlock(&f->lock);
+    close_taken(&c);
 }
 
 /* A mirror job on f is over: the descriptors retired meanwhile close once no job can read them
  * (every job that may hold one was counted before it was queued), then its hold on f ends. */
 static void job_done(engine_t *e, file_t *f) {
+    closing_t c = {.n = 0};
     pthread_mutex_lock(&f->lock);
     if (--f->jobs == 0)
-        while (f->nretired > 0)
-            close(f->retired[--f->nretired]);
+        take_retired_locked(f, &c);
     pthread_mutex_unlock(&f->lock);
+    close_taken(&c);
     file_release(e, f);
 }
 
@@ -248,10 +268,10 @@ static int mirror_fd(engine_t *e, job_t *j) {
         j->changed = 1;
         fd = -1;
     }
+    int late = -1;
     pthread_mutex_lock(&f->lock);
     if (f->generation != generation) { /* released meanwhile: nobody will close it */
-        if (fd >= 0)
-            close(fd);
+        late = fd;
         fd = FD_FAILED;
     } else {
         if (fd >= 0)
@@ -263,6 +283,8 @@ static int mirror_fd(engine_t *e, job_t *j) {
     }
     pthread_cond_broadcast(&f->opened);
     pthread_mutex_unlock(&f->lock);
+    if (late >= 0)
+        close(late); /* outside the lock: see closing_t */
     return fd;
 }
 

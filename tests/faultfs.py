@@ -6,7 +6,8 @@ Serves the files of the flat directory SOURCE read-only. Every read looks at the
 `ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them, `hang` holds
 the read until the mode changes (then answers it as the new mode says), `hang-open` holds every
 open until the mode changes (reads pass), `stale` fails (EIO) every read on a file opened before
-it was set, as the old descriptors of a filesystem mounted again do (new opens read). Files are
+it was set, as the old descriptors of a filesystem mounted again do (new opens read), `hang-flush`
+holds every close (FLUSH) until the mode changes. Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
 at once. `slow MBPS` passes the bytes through at MBPS MB/s in all (a drive that slowed down).
 Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
@@ -93,6 +94,10 @@ class FaultFS(pyfuse3.Operations):
             await trio.sleep_until(self.free_at)
         data = await trio.to_thread.run_sync(os.pread, fh, size, off)  # reads overlap, as on a drive
         return data[: len(data) // 2] if mode == "short" else data
+
+    async def flush(self, fh: int) -> None:
+        while self._mode() == "hang-flush":
+            await trio.sleep(0.05)
 
     async def release(self, fh: int) -> None:
         self.fds.pop(fh, None)

@@ -283,6 +283,26 @@ def test_a_mirror_whose_checks_hang_holds_up_no_other_mirrors_comeback(tmp_path:
             force_unmount(mnt)
 
 
+def test_a_mirror_close_that_blocks_holds_up_no_open_of_the_file(tmp_path: Path, engine: str) -> None:
+    """Closing a mirror copy can block (a FUSE or NFS mirror's flush): the daemon closes it
+    without the file's lock, so the next open and read of that file go on meanwhile."""
+    if engine == "pyfuse3":
+        pytest.skip("the pyfuse3 engine closes on its one loop thread")
+    with through_faultfs(tmp_path) as (primary, mnt, control):
+        name = sorted(p.name for p in primary.glob("*.safetensors"))[0]
+        read_all(mnt, primary)
+        control.write_text("hang-flush")
+        size = (primary / name).stat().st_size
+        assert read_direct(mnt / name, 0, size) == (primary / name).read_bytes()  # then closed:
+        time.sleep(0.5)  # its release closes the mirror copy, whose flush hangs
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            again = pool.submit(read_direct, mnt / name, 0, size)
+            try:
+                assert again.result(timeout=5) == (primary / name).read_bytes()
+            finally:
+                control.write_text("ok")
+
+
 def daemon_threads(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/task"))
 
