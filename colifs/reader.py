@@ -264,7 +264,16 @@ class Reader:
                 calls.append((self.workers[d], self.io.pread_into, rest))
                 waiting.append(i)
         results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
-        for i, result in zip(waiting, await gather(calls) if calls else [], strict=True):
+        # Each mirror read holds the file open until it returns, even given up on: a descriptor
+        # closed under it could have its number reused by another open before its pread.
+        mirror_reads = [k for k, i in enumerate(waiting) if runs[i][2] != 0]
+        for _ in mirror_reads:
+            of.hold()
+        outcomes = await gather(calls, lambda _k, _late: self.release(of)) if calls else []
+        for k in mirror_reads:
+            if outcomes[k] is not None:  # in time (a late one lets go when it returns)
+                self.release(of)
+        for i, result in zip(waiting, outcomes, strict=True):
             if result is None:
                 timeout = self.workers[runs[i][2]].timeout
                 results[i] = outcome.Error(TimedOut(f"no answer within {timeout:g} s"))

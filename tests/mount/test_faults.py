@@ -214,11 +214,11 @@ def test_a_hung_mirror_open_holds_up_no_read_open_or_close(tmp_path: Path) -> No
         assert slowest < 3.0, slowest  # a timeout or two per file, never a wait for the open
 
 
-def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path: Path, engine: str) -> None:
+def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path: Path) -> None:
     """One mirror thread, its reads hung: a read waits on the thread, the next queues behind it,
-    both are given up on and the file is closed. The late reads keep their files open (native
-    engine: a descriptor closed under a late read could get its number reused by another open,
-    /dev/fuse say, before the read's pread). When the mirror answers, the late reads end and the
+    both are given up on and the file is closed. The late reads keep their files open (a
+    descriptor closed under a late read could get its number reused by another open, /dev/fuse
+    say, before the read's pread). When the mirror answers, the late reads end and the
     daemon holds no more descriptors than before."""
     flags = ("--mirror-timeout", "0.3", "--threads-per-drive", "1", "--routing", "expert")
     with through_faultfs(tmp_path, *flags) as (primary, mnt, control):
@@ -237,10 +237,7 @@ def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path:
             return daemon_fds_and_rss(pid)[0] == fds0
 
         time.sleep(0.5)  # the releases arrive
-        if engine == "native":
-            assert daemon_fds_and_rss(pid)[0] > fds0  # held by the late reads, not closed under them
-        else:
-            assert settled()  # the pyfuse3 engine still closes them at the file's last release
+        assert daemon_fds_and_rss(pid)[0] > fds0  # held by the late reads, not closed under them
         control.write_text("ok")  # the stuck read lands; the queued ones run after it
         time.sleep(1)
         assert settled()
