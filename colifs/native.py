@@ -82,8 +82,7 @@ class NativeCounters:
 
     Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
     flight), mirror successes, busy time (ns with a read running), bytes spilled (routed to the
-    drive, read by another: --routing queue); fallbacks and late reads skipped;
-    the extent buffer
+    drive, read by another: --routing queue); fallbacks and late reads skipped; the extent buffer
     (EXTENT_BUFFER's fields); passthrough (PASSTHROUGH's fields); per key and drive routed bytes;
     per key reads; per file bytes, reads.
     """

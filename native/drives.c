@@ -182,14 +182,12 @@ void file_release(engine_t *e, file_t *f) {
     closing_t c = {.n = 0};
     pthread_mutex_lock(&f->lock);
     if (--f->refs == 0) {
-        f->generation++;
         for (int d = 0; d < e->nrep; d++) {
             int fd = atomic_exchange(&f->fd[d], FD_CLOSED);
             if (fd >= 0)
                 c.fd[c.n++] = fd;
         }
         take_retired_locked(f, &c);
-        pthread_cond_broadcast(&f->opened);
     }
     pthread_mutex_unlock(&f->lock);
     close_taken(&c);
@@ -228,8 +226,8 @@ static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
 /* The mirror copy's descriptor, opened (and checked unchanged) on first use, and again once its
  * mirror came back up. The open runs without the file's lock: on a hung mirror it may never
  * return, and opens and releases of the file must not wait for it. Other drive threads wait for
- * it (their requests have their own timeouts). The job's reference on the file keeps the
- * descriptor open while the job reads it. */
+ * it (their requests have their own timeouts). The job's reference on the file keeps it from
+ * being released while the job opens a descriptor or reads one. */
 static int mirror_fd(engine_t *e, job_t *j) {
     file_t *f = j->f;
     int d = j->drive;
@@ -241,20 +239,13 @@ static int mirror_fd(engine_t *e, job_t *j) {
     pthread_mutex_lock(&f->lock);
     while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
         pthread_cond_wait(&f->opened, &f->lock);
-    if (f->refs > 0)
-        fd = renew_locked(e, f, d, fd);
-    if (fd != FD_CLOSED || f->refs == 0) { /* not open any more: a late job nobody waits for */
+    fd = renew_locked(e, f, d, fd);
+    if (fd != FD_CLOSED) { /* opened (or failed) by another job meanwhile */
         pthread_mutex_unlock(&f->lock);
-        if (fd == FD_CLOSED) {
-            snprintf(j->what, sizeof j->what, "%s is closed", f->relpath);
-            j->opened_failed = 1;
-            fd = FD_FAILED;
-        }
         return fd;
     }
     atomic_store(&f->fd[d], FD_OPENING);
     epoch = atomic_load(&e->epoch[d]); /* what this open is from (the lock orders it after renew) */
-    uint64_t generation = f->generation;
     pthread_mutex_unlock(&f->lock);
 
     int direct;
@@ -268,23 +259,15 @@ static int mirror_fd(engine_t *e, job_t *j) {
         j->changed = 1;
         fd = -1;
     }
-    int late = -1;
     pthread_mutex_lock(&f->lock);
-    if (f->generation != generation) { /* released meanwhile: nobody will close it */
-        late = fd;
-        fd = FD_FAILED;
-    } else {
-        if (fd >= 0)
-            f->direct[d] = direct;
-        else
-            fd = j->no_fds ? FD_CLOSED : FD_FAILED; /* out of descriptors: tried again later */
-        atomic_store(&f->fd_epoch[d], epoch);
-        atomic_store(&f->fd[d], fd);
-    }
+    if (fd >= 0)
+        f->direct[d] = direct;
+    else
+        fd = j->no_fds ? FD_CLOSED : FD_FAILED; /* out of descriptors: tried again later */
+    atomic_store(&f->fd_epoch[d], epoch);
+    atomic_store(&f->fd[d], fd);
     pthread_cond_broadcast(&f->opened);
     pthread_mutex_unlock(&f->lock);
-    if (late >= 0)
-        close(late); /* outside the lock: see closing_t */
     return fd;
 }
 
@@ -575,7 +558,7 @@ static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, u
     if (queued[d] < SPILL_MIN || !share[d])
         return d;
     int best = d;
-    double best_cost = (double)(queued[d] + len) / (double)share[d];
+    double own = (double)(queued[d] + len) / (double)share[d], best_cost = own;
     for (int x = 0; x < e->nrep; x++) {
         if (x == d || !((r->allowed >> x) & 1) || !share[x])
             continue;
@@ -585,7 +568,7 @@ static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, u
     }
     /* Only a clear backlog spills: at parity a piece moved to a slower drive ends last (one reader
      * of a whole expert waits for its slowest piece). */
-    return best_cost * SPILL_RATIO < (double)(queued[d] + len) / (double)share[d] ? best : d;
+    return best_cost * SPILL_RATIO < own ? best : d;
 }
 
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable

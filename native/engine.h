@@ -87,12 +87,11 @@ typedef struct {
     int8_t *seg_rot;
     /* Descriptors, shared by all opens of the file and held by every mirror job on it (refs: a
      * descriptor is closed only once no job can still read it, so its number is never reused
-     * under a late job). Lock rules: lock guards refs, generation, retired and the changes of fd
-     * and fd_epoch; readers load fd and fd_epoch without it (a job's ref keeps them valid). */
+     * under a late job). Lock rules: lock guards refs, jobs, retired and the changes of fd and
+     * fd_epoch; readers load fd and fd_epoch without it (a job's ref keeps them valid). */
     pthread_mutex_t lock;
     pthread_cond_t opened; /* a mirror open finished */
     int refs;
-    uint64_t generation;   /* +1 each time the last open is released: a late open is then closed */
     _Atomic int fd[MAX_REPLICAS];
     _Atomic int direct[MAX_REPLICAS];
     _Atomic uint32_t fd_epoch[MAX_REPLICAS]; /* engine.epoch[d] when fd[d] was opened (or failed) */
