@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 
 from colifs.formats import format_for
 from colifs.moe import Configs
+from colifs.receipt import load_receipt, receipt_vouches
 from colifs.replicas import Replica, ServedFile, validate
 from colifs.routing import CHUNK, NOT_STRIPED, balanced_weights, expected_shares, positions, stripe_rotation
-from colifs.stage import load_receipt, receipt_vouches
 from colifs.tree import Tree
 from colifs.usage import Usage, key_sizes, traffic
 

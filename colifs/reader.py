@@ -8,6 +8,7 @@ matched at mount, and any error or short read on it is answered by re-reading fr
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import mmap
@@ -48,7 +49,7 @@ class OpenFile:
     usable: set[int]  # the replicas it may be read from (opened, unchanged): the primary always
     detached: set[int]  # mirrors not opened yet because they were down
     epochs: list[int]  # per replica: the Reader's epoch when its descriptor was opened
-    retired: list[int] = field(default_factory=list)  # replaced descriptors, closed with the file
+    retired: list[tuple[int, int]] = field(default_factory=list)  # (drive, fd) replaced, closed with the file
     refs: int = 1
 
     def hold(self) -> None:
@@ -78,7 +79,7 @@ class OpenFile:
         for d in sorted(self.usable - {0}):
             fd = self.fds[d]
             if self.epochs[d] != epochs[d] and fd is not None and len(self.retired) < RETIRED_FDS:
-                self.retired.append(fd)
+                self.retired.append((d, fd))
                 self.fds[d] = None
                 self.usable.discard(d)
                 self.detached.add(d)
@@ -134,7 +135,7 @@ class Reader:
                 of = self._open[f.relpath] = OpenFile(f, fds, {0}, set(f.copies[1:]), list(self._epoch))
                 await self._attach(of)
                 return of
-            self.io.close(fd)  # another task opened it meanwhile
+            self._close(0, fd)  # another task opened it meanwhile
         of.hold()
         return of
 
@@ -149,9 +150,9 @@ class Reader:
                 continue
             epoch = self._epoch[i]  # before the open: a comeback while it runs renews it
             try:
-                fd = await self.workers[i].run(
-                    open_checked, self.io, self._path(i, f), f.identities[i], on_late=self._close_late
-                )
+                late = functools.partial(self._close_late, i)
+                path = self._path(i, f)
+                fd = await self.workers[i].run(open_checked, self.io, path, f.identities[i], on_late=late)
             except OSError as e:
                 if e.errno in OUT_OF_DESCRIPTORS:
                     self.mirrors.out_of_descriptors(f, i)
@@ -171,14 +172,19 @@ class Reader:
     def release(self, of: OpenFile) -> None:
         if of.let_go():
             del self._open[of.file.relpath]
-            for fd in [*of.fds, *of.retired]:
+            for d, fd in [*enumerate(of.fds), *of.retired]:
                 if fd is not None:
-                    self.io.close(fd)
+                    self._close(d, fd)
 
-    def _close_late(self, result: outcome.Outcome) -> None:
+    def _close(self, drive: int, fd: int) -> None:
+        """Closed on the drive's own threads: a close can block (a FUSE or NFS mirror's flush),
+        and every handler waits for this thread. The number stays taken until then."""
+        self.workers[drive].forget(self.io.close, fd)
+
+    def _close_late(self, drive: int, result: outcome.Outcome) -> None:
         """A mirror open that answered after its timeout: nobody uses the descriptor."""
         if isinstance(result, outcome.Value):
-            self.io.close(result.value)
+            self._close(drive, result.value)
 
     def _pread_checked(self, fd: int, view: memoryview, offset: int, expect: Identity) -> int:
         """A mirror read whose bytes count only if the file is unchanged after it (worker thread)."""

@@ -16,6 +16,7 @@ from colifs.formats import Format, format_of
 from colifs.layout import ExpertConfig, Layout, LayoutError
 
 log = logging.getLogger("colifs")
+MISSING = "missing"  # a mirror without the file: a partial mirror, not a fault
 
 
 Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
@@ -75,7 +76,7 @@ def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | No
     try:
         st = os.stat(mirror_path)
     except FileNotFoundError:
-        return "missing", None
+        return MISSING, None
     except OSError as e:
         return f"cannot stat ({e.strerror})", None
     if not stat.S_ISREG(st.st_mode):
@@ -127,9 +128,10 @@ def validate(
         if ident is not None:
             valid.append(r.index)
             idents[r.index] = ident
-        else:
+        else:  # a missing copy is what a partial mirror is: counted in the mount's summary line
             notes.append(f"mirror {r.root}: {problem}")
-            log.warning("%s: mirror %s: %s; served without this mirror", relpath, r.root, problem)
+            level = logging.DEBUG if problem == MISSING else logging.WARNING
+            log.log(level, "%s: mirror %s: %s; served without this mirror", relpath, r.root, problem)
     return ServedFile(relpath, size, layout, tuple(valid), "; ".join(notes), identities=idents, fmt=fmt.name)
 
 

@@ -16,25 +16,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import json
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from colifs.errors import QuietError
-from colifs.jsonin import BadJSON, load_file
 from colifs.plan import Choice, Shard
 from colifs.progress import Progress
+from colifs.receipt import TMP_PREFIX, TMP_SUFFIX, fsync_dir, load_receipt, receipt_vouches, write_receipt
 
-TMP_PREFIX = ".colifs-stage-"
-TMP_SUFFIX = ".tmp"
 log = logging.getLogger("colifs")
 
-RECEIPT_NAME = ".colifs-receipt.json"
-MAX_RECEIPT = 64 << 20  # bytes: ~300 bytes per shard
 READ_BLOCK = 8 << 20
 EXIT_DIFFERS = 4  # verify: a mirror copy the mount would use differs from the primary
 EXIT_SHORT = 5  # stage: stopped before the whole selection was in place (space)
@@ -42,11 +36,6 @@ EXIT_SHORT = 5  # stage: stopped before the whole selection was in place (space)
 
 class StageError(QuietError):
     """Staging stopped; the message says why. Nothing partial is left under a final name."""
-
-
-def is_ours(name: str) -> bool:
-    """colifs' own files in a mirror directory (temporaries, receipt): not model copies."""
-    return name == RECEIPT_NAME or (name.startswith(TMP_PREFIX) and name.endswith(TMP_SUFFIX))
 
 
 def remove_temporaries(mirror: str) -> list[str]:
@@ -74,14 +63,6 @@ def sha256_file(path: str, progress: Progress | None = None, from_drive: bool = 
             if progress is not None:
                 progress.add(n)
     return h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _place(tmp: str, final: str) -> None:
@@ -142,7 +123,7 @@ def copy_shard(primary: str, mirror: str, relpath: str, progress: Progress) -> s
         raise StageError(f"{problem}; nothing placed")
     os.chmod(tmp, before.st_mode & 0o777)
     _place(tmp, final)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return digest
 
 
@@ -154,42 +135,6 @@ def both_digests(primary: str, mirror: str, relpath: str, progress: Progress | N
         return a.result(), b.result()
 
 
-def load_receipt(mirror: str) -> dict[str, dict]:
-    """Entries of an earlier receipt by path (empty if none or unusable: it is only a cache)."""
-    path = os.path.join(mirror, RECEIPT_NAME)
-    try:
-        data = load_file(path, MAX_RECEIPT)
-        return {e["path"]: e for e in data["shards"]}  # type: ignore[index]
-    except FileNotFoundError:
-        return {}
-    except OSError as e:
-        reason = e.strerror
-    except BadJSON as e:
-        reason = str(e)
-    except (KeyError, TypeError):
-        reason = "not a colifs receipt"
-    log.warning("%s: unusable (%s); ignored: its copies are checked by header only", path, reason)
-    return {}
-
-
-def write_receipt(mirror: str, primary: str, entries: Sequence[dict]) -> None:
-    path = os.path.join(mirror, RECEIPT_NAME)
-    tmp = os.path.join(mirror, f"{TMP_PREFIX}receipt.{os.getpid()}{TMP_SUFFIX}")
-    body = {
-        "format": "colifs-receipt",
-        "version": 1,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "primary": primary,
-        "shards": sorted(entries, key=lambda e: e["path"]),
-    }
-    with open(tmp, "w") as f:
-        json.dump(body, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(mirror)
-
-
 def _entry(primary: str, mirror: str, relpath: str, size: int, digest: str) -> dict:
     p, m = os.stat(os.path.join(primary, relpath)), os.stat(os.path.join(mirror, relpath))
     return {
@@ -199,17 +144,6 @@ def _entry(primary: str, mirror: str, relpath: str, size: int, digest: str) -> d
         "primary_mtime_ns": p.st_mtime_ns,
         "mirror_mtime_ns": m.st_mtime_ns,
     }
-
-
-def receipt_vouches(entry: dict | None, size: int, primary_mtime_ns: int, mirror_mtime_ns: int) -> bool:
-    """Both copies are still the ones whose SHA-256s matched when the receipt was written."""
-    return (
-        entry is not None
-        and bool(entry.get("sha256"))
-        and entry.get("size") == size
-        and entry.get("primary_mtime_ns") == primary_mtime_ns
-        and entry.get("mirror_mtime_ns") == mirror_mtime_ns
-    )
 
 
 def _known(entry: dict | None, primary: str, mirror: str, s: Shard) -> str | None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from colifs.formats import format_for
 from colifs.plan import survey
 from colifs.progress import Progress
-from colifs.stage import both_digests, is_ours
+from colifs.receipt import is_ours
+from colifs.stage import both_digests
 from colifs.tree import Tree
 
 

@@ -77,6 +77,11 @@ class DriveWorkers:
         self.busy += 1
         self._queue.put((fn, args, deliver))
 
+    def forget(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Queue fn(*args) with nobody waiting for it: a close, which can block (a FUSE or NFS
+        mirror's flush) and must not stall the trio thread, on which every handler runs."""
+        self._queue.put((fn, args, _nobody))
+
     def finished(self) -> None:
         """A submitted job's outcome was taken (on the trio thread): one fewer in flight."""
         self.busy -= 1
@@ -104,6 +109,10 @@ class DriveWorkers:
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
+
+
+def _nobody(_: outcome.Outcome) -> None:
+    """Where the outcome of a forgotten call goes."""
 
 
 class TimedOut(Exception):

@@ -143,6 +143,8 @@ int file_open(engine_t *e, file_t *f) {
     return err;
 }
 
+/* The primary's open holds the file's lock: it runs only when nothing holds the file (refs == 0: no
+ * open, no job, no stretch), so only other opens of the file wait, and they need this descriptor. */
 int file_open_locked(engine_t *e, file_t *f) {
     int err = 0;
     if (f->refs == 0) {

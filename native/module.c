@@ -571,36 +571,61 @@ static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* No thread of ours can run any more: the session was closed (or never made) and no drive thread
+ * was left stuck in a read. Until then a thread may use the engine and call back into Python. */
+static int quiescent(EngineObject *self) {
+    return (self->destroyed || !self->e.se) && !self->e.threads_left && !atomic_load(&self->e.looping);
+}
+
+/* The callbacks are bound methods of the NativeEngine that holds this object: a cycle only the
+ * garbage collector can break. */
+static int Engine_traverse(EngineObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->control);
+    Py_VISIT(self->xattr);
+    Py_VISIT(self->listxattr);
+    Py_VISIT(self->event);
+    return 0;
+}
+
+static int Engine_clear(EngineObject *self) {
+    if (!quiescent(self)) /* a thread may still call them: the cycle is kept (a leak, not a crash) */
+        return 0;
+    Py_CLEAR(self->control);
+    Py_CLEAR(self->xattr);
+    Py_CLEAR(self->listxattr);
+    Py_CLEAR(self->event);
+    return 0;
+}
+
 static void Engine_dealloc(EngineObject *self) {
-    /* Tables and counters stay allocated if the session was never closed, or if a drive thread
-     * was left stuck in a read on a hung mirror: threads may use them (a late job still releases
-     * its file and counts its bytes when its read returns). */
+    PyObject_GC_UnTrack(self);
+    /* If a thread may still run (the session never closed, or a drive thread left stuck in a read
+     * on a hung mirror: a late job still releases its file and counts its bytes when its read
+     * returns), the engine lives in this object: it is left allocated, callbacks and all. */
+    if (!quiescent(self))
+        return;
     engine_t *e = &self->e;
-    if ((self->destroyed || !e->se) && !e->threads_left) {
-        if (e->se && !self->destroyed)
-            fuse_session_destroy(e->se);
-        for (size_t i = 0; i < e->nfiles; i++) {
-            free(e->files[i].relpath);
-            free(e->files[i].seg_start);
-            free(e->files[i].seg_key);
-            free(e->files[i].seg_pos);
-            free(e->files[i].seg_rot);
-        }
-        for (size_t i = 0; i < e->nnodes; i++)
-            free(e->nodes[i].target);
-        for (size_t i = 0; i < e->nchildren; i++)
-            free(e->children[i].name);
-        free(e->files);
-        free(e->nodes);
-        free(e->children);
-        free(e->key_expert);
-        stretch_free(e);
-        if (self->have_counters)
-            PyBuffer_Release(&self->counters);
-        for (int d = 0; d < e->nrep; d++)
-            free(e->roots[d]);
-        free(e->mountpoint);
+    for (size_t i = 0; i < e->nfiles; i++) {
+        free(e->files[i].relpath);
+        free(e->files[i].seg_start);
+        free(e->files[i].seg_key);
+        free(e->files[i].seg_pos);
+        free(e->files[i].seg_rot);
     }
+    for (size_t i = 0; i < e->nnodes; i++)
+        free(e->nodes[i].target);
+    for (size_t i = 0; i < e->nchildren; i++)
+        free(e->children[i].name);
+    free(e->files);
+    free(e->nodes);
+    free(e->children);
+    free(e->key_expert);
+    stretch_free(e);
+    if (self->have_counters)
+        PyBuffer_Release(&self->counters);
+    for (int d = 0; d < e->nrep; d++)
+        free(e->roots[d]);
+    free(e->mountpoint);
     Py_XDECREF(self->control);
     Py_XDECREF(self->xattr);
     Py_XDECREF(self->listxattr);
@@ -625,11 +650,13 @@ static PyMethodDef Engine_methods[] = {
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "colifs._native.Engine",
     .tp_basicsize = sizeof(EngineObject),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "The native FUSE engine of colifs: tables in, requests served.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Engine_init,
     .tp_dealloc = (destructor)Engine_dealloc,
+    .tp_traverse = (traverseproc)Engine_traverse,
+    .tp_clear = (inquiry)Engine_clear,
     .tp_methods = Engine_methods,
 };
 

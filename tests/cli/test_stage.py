@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from colifs.plan import choose, estimate, survey
-from colifs.stage import EXIT_SHORT, RECEIPT_NAME, StageError, stage
+from colifs.receipt import RECEIPT_NAME
+from colifs.stage import EXIT_SHORT, StageError, stage
 from colifs.usage import Usage
 from tests.helpers import (
     COLIFS,

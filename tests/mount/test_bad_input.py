@@ -116,7 +116,7 @@ def test_every_bad_file_is_one_warning_and_plain_bytes(tmp_path: Path) -> None:
 
 @pytest.mark.daemon_warns("receipt.json: unusable", "usage.json: not valid JSON")
 def test_hostile_usage_file_and_receipt_are_one_warning_each(tmp_path: Path) -> None:
-    from colifs.stage import RECEIPT_NAME
+    from colifs.receipt import RECEIPT_NAME
     from colifs.usage import USAGE_NAME
 
     primary, mirror = tmp_path / "p", tmp_path / "m"

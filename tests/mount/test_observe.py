@@ -16,7 +16,6 @@ from tests.helpers import mounted, read_direct, run_colifs
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
 
-@pytest.mark.daemon_warns("missing; served without this mirror")
 def test_replicas_xattr_lists_the_valid_copies(model) -> None:
     primary, mirror, mnt = model
     shards = sorted(primary.glob("*.safetensors"))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from colifs.stage import EXIT_DIFFERS, RECEIPT_NAME
+from colifs.receipt import RECEIPT_NAME
+from colifs.stage import EXIT_DIFFERS
 from tests.helpers import (
     HOT,
     is_mounted,

@@ -97,6 +97,17 @@ def test_commands_without_a_mount_import_no_fuse() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_mounting_imports_none_of_the_mirror_tools() -> None:
+    """A mount reads the receipt (colifs.receipt) but never loads plan, stage or verify."""
+    code = (
+        "import sys, colifs.mount, colifs.assemble, colifs.native, colifs.pyfuse3_engine; "
+        "print(sorted(m for m in ('colifs.plan', 'colifs.stage', 'colifs.verify', 'colifs.progress') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_the_readme_module_table_names_every_module() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]

@@ -250,3 +250,23 @@ def test_key_sizes_of_a_file_without_tensors() -> None:
     text = json.dumps({"__metadata__": {"a": "b"}}).encode()
     layout = parse_header(struct.pack("<Q", len(text)) + text, 8 + len(text))
     assert layout.starts == () and key_sizes([layout]) == {}
+
+
+_FEW = ["m", "1", "17", "experts", "", "a\nb", "٣"]  # dense in what makes an earlier `experts` win
+
+
+@settings(max_examples=3000, deadline=None)
+@given(
+    st.lists(st.sampled_from(_FEW), min_size=1, max_size=7),
+    st.lists(st.lists(st.sampled_from(_FEW), max_size=4), min_size=2, max_size=5),
+)
+def test_names_sharing_a_prefix_key_as_the_regex_does(prefix: list[str], rests: list[list[str]]) -> None:
+    """Names that share what comes before their last `.experts.N.` (worked out once, then reused)
+    still key exactly as the regex does, whatever follows."""
+    from colifs.layout import _PER_EXPERT, ExpertKey, tensor_key
+
+    for n, rest in enumerate(rests):
+        name = ".".join([*prefix, "experts", str(n * 7), *rest])
+        m = _PER_EXPERT.match(name)
+        want = ExpertKey(m["stack"], int(m["layer"]), int(m["expert"])) if m else name
+        assert tensor_key(name) == want

@@ -54,3 +54,32 @@ def test_closing_an_engine_that_never_initialised_is_harmless() -> None:
         "print('ok')\n"
     )
     assert done.returncode == 0 and done.stdout == "ok\n", done
+
+
+def test_an_engine_and_the_python_object_that_holds_it_are_collected(tmp_path) -> None:
+    """The engine's callbacks are bound methods of the NativeEngine that holds it: a cycle the
+    garbage collector must see through (the Engine type takes part in it), once it is closed."""
+    done = run(
+        f"""
+import gc, weakref
+from colifs.assemble import assemble
+from colifs.config import MountConfig
+from colifs.synth import write_checkpoint
+
+import os
+os.mkdir(f"{tmp_path}/mnt")
+for d in ("p", "m"):
+    write_checkpoint(f"{tmp_path}/{{d}}", "deepseek", layers=2, experts=4, hidden=64, inter=64, shards=2)
+cfg = MountConfig(primary={str(tmp_path / "p")!r}, mirrors=[{str(tmp_path / "m")!r}],
+                  mountpoint={str(tmp_path / "mnt")!r}, weights=[1.0, 1.0], probe_seconds=0, engine="native")
+asm = assemble(cfg)
+assert gc.is_tracked(asm.engine.engine)
+asm.engine.close()
+held = weakref.ref(asm.engine)
+del asm
+gc.collect()
+print("collected" if held() is None else "kept")
+"""
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "collected"
