@@ -16,7 +16,7 @@ from typing import Protocol
 
 from colifs.backing import BackingIO, OsIO
 from colifs.balance import Adaptive, Balancer
-from colifs.catalogue import build_files, describe, partial_weights, traffic_by_copies
+from colifs.catalogue import ServedFile, build_files, describe, partial_weights, traffic_by_copies
 from colifs.checks import check_mountpoint, check_roots
 from colifs.config import MountConfig, mount_options
 from colifs.health import Health
@@ -26,7 +26,7 @@ from colifs.namespace import Namespace
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.readplan import Router
 from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Replica
 from colifs.stats import Counters, DriveCounters, MountInfo, Stats
 from colifs.tree import Tree
 from colifs.usage import Usage
@@ -172,10 +172,10 @@ class _Parts:
         return Namespace(self.tree, self.files, stats, self.replicas, self.router.drive_at)
 
     def pyfuse3(self, usage_path: str | None, saving: bool, runs: int, io: BackingIO) -> Assembly:
-        from colifs.fs import ColiFS
-        from colifs.pyfuse3_engine import Pyfuse3Engine
-        from colifs.reader import Reader
-        from colifs.workers import DriveWorkers
+        from colifs.pyfuse3.engine import Pyfuse3Engine
+        from colifs.pyfuse3.fs import ColiFS
+        from colifs.pyfuse3.reader import Reader
+        from colifs.pyfuse3.workers import DriveWorkers
 
         cfg = self.cfg
         workers = [

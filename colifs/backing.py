@@ -1,10 +1,12 @@
-"""The I/O layer under the read path, swappable (httpx-transport style) so tests can inject faults.
+"""Reading the copies, for both engines: the I/O layer under the pyfuse3 engine's read path and
+under every check read (a down mirror's, either engine's), and what both say of a copy (it
+changed, it timed out). Swappable (httpx-transport style) so tests can inject faults.
 
 `OsIO` is the real one: read-only descriptors and positional reads that loop over short reads.
 With `direct=True` files are opened O_DIRECT where the filesystem allows it: the mount's own page
 cache is then the only cache (no double caching) and the drive DMAs straight into our buffers.
 Callers read BLOCK-aligned ranges into page-aligned buffers, as O_DIRECT requires.
-`colifs.fakeio.FaultyIO` wraps it for tests.
+`tests/fakeio.py` wraps it for tests.
 """
 
 from __future__ import annotations
@@ -15,10 +17,18 @@ import mmap
 import os
 from typing import Protocol
 
-from colifs.buffers import BLOCK
 from colifs.replicas import Identity, identity
 
 log = logging.getLogger("colifs")
+BLOCK = 4096  # O_DIRECT alignment that is safe on every filesystem here
+
+
+def align_down(n: int) -> int:
+    return n & ~(BLOCK - 1)
+
+
+def align_up(n: int) -> int:
+    return (n + BLOCK - 1) & ~(BLOCK - 1)
 
 
 class BackingIO(Protocol):
@@ -97,6 +107,10 @@ class OsIO:
 
 class Changed(Exception):
     """A mirror copy is no longer the file validated at mount."""
+
+
+class TimedOut(Exception):
+    """A drive did not answer within its timeout."""
 
 
 def what_changed(before: Identity, now: Identity) -> str:

@@ -21,10 +21,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from colifs.buffers import align_down, align_up
+from colifs.backing import align_down, align_up
 from colifs.formats import format_for
-from colifs.layout import ExpertKey, LayoutError
-from colifs.moe import Configs
+from colifs.formats.layout import ExpertKey, LayoutError
+from colifs.formats.moe import Configs
 from colifs.routing import pick, positions
 
 

@@ -418,8 +418,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_stage(args: argparse.Namespace) -> int:
-    from colifs.plan import coverage, human, make_plan
+    from colifs.plan import coverage, make_plan
     from colifs.stage import stage
+    from colifs.units import human
 
     def say(line: str) -> None:
         print(f"colifs: {line}", file=sys.stderr)

@@ -5,7 +5,7 @@ an error or a timeout before the primary answers. A mirror is "down" after FAILU
 failures in a row (errors, short reads, timeouts; one success resets the count: a single bad
 file must not take a whole drive out). While down, all its keys go to the primary; a check read
 runs after a back-off (1 s, doubling to 30 s), so a healed mirror is back within ~30 s.
-Pure state: the clock is injected, the check reads are the caller's (reader.py).
+Pure state: the clock is injected, the check reads are the engine's (pyfuse3/reader.py, native.py).
 """
 
 from __future__ import annotations

@@ -11,13 +11,12 @@ from collections.abc import Awaitable, Callable, Sequence
 
 import trio
 
-from colifs.backing import Changed
-from colifs.buffers import align_down
+from colifs.backing import Changed, TimedOut, align_down
+from colifs.catalogue import ServedFile
 from colifs.health import Health
 from colifs.logs import WarnOnce
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Replica
 from colifs.routing import CHUNK
-from colifs.workers import TimedOut
 
 log = logging.getLogger("colifs")
 

@@ -1,6 +1,6 @@
 """What the mount shows, for both engines: inodes and their attributes, directory listings, the
 control files and the extended attributes. Errors are OSErrors; each engine turns them into its
-FUSE replies (pyfuse3: colifs.fs, native: colifs.native).
+FUSE replies (pyfuse3: colifs.pyfuse3.fs, native: colifs.native).
 """
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from colifs.catalogue import ServedFile
 from colifs.formats import tensor_at
-from colifs.layout import HEADER, ExpertKey
-from colifs.replicas import Replica, ServedFile
+from colifs.formats.layout import HEADER, ExpertKey
+from colifs.replicas import Replica
 from colifs.stats import Stats
 from colifs.tree import ROOT_INO, Tree
 

@@ -18,18 +18,18 @@ from collections.abc import Callable, Mapping, Sequence
 import trio
 
 from colifs import _native
-from colifs.backing import OsIO, check_read
+from colifs.backing import OsIO, TimedOut, check_read
 from colifs.boundary import request_errno
+from colifs.catalogue import ServedFile
 from colifs.errors import MountError
+from colifs.formats.layout import ExpertKey, Key
 from colifs.health import Health
-from colifs.layout import ExpertKey, Key
 from colifs.logs import WarnOnce
 from colifs.mirrors import MirrorPolicy
 from colifs.namespace import CONTROL_FILES, CONTROL_INO, Namespace
 from colifs.readplan import Router, route_columns, run_table
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Replica
 from colifs.usage import Usage
-from colifs.workers import TimedOut
 
 log = logging.getLogger("colifs")
 
@@ -74,37 +74,40 @@ PASSTHROUGH = (
     "file_opens_now",
 )
 
-_KIND = {"dir": 1, "reg": 2, "lnk": 3, "control_dir": 4, "control_file": 5}
+
+KINDS = _native.NODE_KINDS  # a node's kind, as native/engine.h numbers them
 
 
 class NativeCounters:
-    """The counters the native engine writes, in memory Python owns (an anonymous mmap).
-
-    Layout (u64 words), as native/module.c maps it: per drive bytes, reads, errors, busy (reads in
-    flight), mirror successes, busy time (ns with a read running), bytes spilled (routed to the
-    drive, read by another: --routing queue); fallbacks and late reads skipped; the extent buffer
-    (EXTENT_BUFFER's fields); passthrough (PASSTHROUGH's fields); per key and drive routed bytes;
-    per key reads; per file bytes, reads.
+    """The counters the native engine writes, in memory Python owns (an anonymous mmap), laid out
+    as the engine says (`_native.counter_layout`, u64 words): per drive bytes, reads, errors, busy
+    (reads in flight), mirror successes, busy time (ns with a read running), bytes spilled (routed
+    to the drive, read by another: --routing queue); fallbacks and late reads skipped; the extent
+    buffer (EXTENT_BUFFER's fields); passthrough (PASSTHROUGH's fields); per key and drive routed
+    bytes; per key reads; per file bytes, reads.
     """
 
     def __init__(self, nrep: int, keys: Sequence[Key], files: Sequence[ServedFile]) -> None:
         self.nrep = nrep
         self.keys = list(keys)
         self.files = list(files)
-        nk, nf = len(self.keys), len(self.files)
-        sizes = [nrep] * 7 + [2, len(EXTENT_BUFFER), len(PASSTHROUGH), nk * nrep, nk, nf, nf]
-        self.buffer = mmap.mmap(-1, 8 * sum(sizes))  # never empty: there is always a primary
+        layout = _native.counter_layout(nrep, len(self.keys), len(self.files))
+        self.buffer = mmap.mmap(-1, 8 * sum(n for _, n in layout))  # never empty: there is a primary
         words = memoryview(self.buffer).cast("Q")
-        views, at = [], 0
-        for n in sizes:
-            views.append(words[at : at + n])
+        field, at = {}, 0
+        for name, n in layout:
+            field[name] = words[at : at + n]
             at += n
-        (self._bytes, self._reads, self._errors, self._busy, self.mirror_ok, self._busy_ns, self._spilled,
-         self._fallbacks, self._stretch, self._passthrough, self._key_bytes, self._key_reads,
-         self._file_bytes, self._file_reads) = views  # fmt: skip
+        self._bytes, self._reads = field["drive_bytes"], field["drive_reads"]
+        self._errors, self._busy = field["drive_errors"], field["drive_busy"]
+        self.mirror_ok, self._busy_ns = field["drive_ok"], field["drive_busy_ns"]
+        self._spilled, self._fallbacks = field["drive_spilled"], field["fallbacks"]
+        self._stretch, self._passthrough = field["stretch"], field["passthrough"]
+        self._key_bytes, self._key_reads = field["key_bytes"], field["key_reads"]
+        self._file_bytes, self._file_reads = field["file_bytes"], field["file_reads"]
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
-        self._taken_keys = [0] * (2 * nk)
-        self._taken_files = [0] * (2 * nf)
+        self._taken_keys = [0] * (2 * len(self.keys))
+        self._taken_files = [0] * (2 * len(self.files))
         self._pending = Usage(runs=1)  # this run counts once, with its first save
 
     @property
@@ -293,7 +296,7 @@ class NativeEngine:
                 children.extend(ns.children(ino))
             f = ns.files.get(ino)
             nodes.append((
-                ino, _KIND[kind], index[id(f)] if f is not None else -1, a.mode, a.nlink, a.uid, a.gid,
+                ino, KINDS[kind], index[id(f)] if f is not None else -1, a.mode, a.nlink, a.uid, a.gid,
                 a.size, a.blocks, a.atime_ns, a.mtime_ns, a.ctime_ns, a.timeout,
                 node.target if node is not None else b"", first, len(children) - first,
             ))  # fmt: skip

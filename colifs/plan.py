@@ -9,19 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from colifs.catalogue import ServedFile, mirror_problem
 from colifs.checks import check_roots
 from colifs.config import given_weights
 from colifs.errors import UsageError
 from colifs.formats import format_for
-from colifs.layout import Layout, LayoutError
-from colifs.moe import Configs
+from colifs.formats.layout import Layout, LayoutError
+from colifs.formats.moe import Configs
 from colifs.probe import probe, weights_from
-from colifs.replicas import Replica, ServedFile, mirror_problem
+from colifs.replicas import Replica
 from colifs.tree import Tree
+from colifs.units import parse_size
 from colifs.usage import (
     COLI_USAGE_NAME,
     USAGE_NAME,
@@ -32,27 +33,6 @@ from colifs.usage import (
     read_coli_usage,
     traffic,
 )
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """`200G`, `1.5T`, `500M` (powers of 1024, like truncate(1)); `200GB` powers of 1000; bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise UsageError(f"size {text!r}: expected a number with an optional K, M, G, T or P suffix")
-    number, unit, tail = float(m.group(1)), m.group(2).upper(), m.group(3).upper()
-    power = "KMGTP".index(unit) + 1 if unit else 0
-    base = 1000 if tail == "B" and power else 1024
-    return int(number * base**power)
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
 
 
 @dataclass(frozen=True)

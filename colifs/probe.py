@@ -17,9 +17,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from colifs.buffers import align_down
+from colifs.backing import align_down
+from colifs.catalogue import ServedFile
 from colifs.devices import as_one_drive, drive_of, shared
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Replica
 
 log = logging.getLogger("colifs")
 

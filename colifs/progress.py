@@ -11,7 +11,7 @@ import threading
 import time
 from typing import TextIO
 
-from colifs.plan import human
+from colifs.units import human
 
 
 class Progress:

@@ -15,9 +15,9 @@ from array import array
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 
+from colifs.catalogue import ServedFile
+from colifs.formats.layout import HEADER, Key
 from colifs.health import Health
-from colifs.layout import HEADER, Key
-from colifs.replicas import ServedFile
 from colifs.routing import CHUNK, NOT_STRIPED, STRIPE_SLOTS, bounds, fixed, pick, pick_fixed, stripe_sequence
 
 PLAIN = -2  # the extent of a file without a layout: plain bytes, always from the primary

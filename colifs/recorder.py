@@ -16,7 +16,7 @@ from typing import Protocol
 import trio
 
 from colifs.checks import check_usage_path
-from colifs.layout import Key
+from colifs.formats.layout import Key
 from colifs.replicas import Replica
 from colifs.stores import same_or_inside
 from colifs.usage import USAGE_NAME, BadUsageFile, Usage, load, save

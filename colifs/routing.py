@@ -20,7 +20,7 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
-from colifs.layout import ExpertKey, Key
+from colifs.formats.layout import ExpertKey, Key
 
 
 def _digest(text: str) -> int:

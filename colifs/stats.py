@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from colifs import __version__
+from colifs.catalogue import ServedFile
 from colifs.health import Health
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Replica
 
 
 class DriveCounters(Protocol):

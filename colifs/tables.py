@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 
-from colifs.plan import human
+from colifs.units import human
 from colifs.verify import Row
 
 

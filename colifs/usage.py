@@ -20,8 +20,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from colifs.errors import UsageError
+from colifs.formats.layout import ExpertKey, Key, Layout
 from colifs.jsonin import BadJSON, TooLarge, load_file, read_bounded
-from colifs.layout import ExpertKey, Key, Layout
 
 USAGE_NAME = ".colifs-usage.json"
 COLI_USAGE_NAME = ".coli_usage"

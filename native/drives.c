@@ -573,6 +573,27 @@ static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, u
     return best_cost * SPILL_RATIO < own ? best : d;
 }
 
+/* --routing queue: the drive that reads the piece first, counting what this request already gave
+ * each drive (extra); the bytes of [from, end) moved off their routed drive are counted. */
+static int requeued(engine_t *e, const routes_now_t *r, uint64_t *extra, int routed, uint64_t pos, uint64_t from,
+                    uint64_t end) {
+    int d = quickest(e, r, extra, end - pos, routed);
+    extra[d] += end - pos;
+    if (d != routed && end > from)
+        atomic_fetch_add(&e->ctr.drive_spilled[routed], end - from);
+    return d;
+}
+
+/* What [from, end) of key k asked of drive d: its bytes, and one read per key a request touches. */
+static void count_key(engine_t *e, int32_t k, int d, uint64_t from, uint64_t end, int32_t *last_key) {
+    if (k < 0 || end <= from)
+        return;
+    atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * (size_t)e->nrep + (size_t)d], end - from);
+    if (k != *last_key)
+        atomic_fetch_add(&e->ctr.key_reads[k], 1);
+    *last_key = k;
+}
+
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable
  * drives (or, primary_only, all on the primary), their last run ending at stop, and count what
  * [off, end) asked of each key. Returns the number of runs: at most runs_bound(). */
@@ -586,34 +607,23 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
     int have = 0, drive = 0;
     int32_t last_key = -1;
     uint64_t extra[MAX_REPLICAS] = {0};
+    int requeue = e->queue_routing && !primary_only;
     while (pos < end && i < f->nseg) {
         uint64_t seg_end = i + 1 < f->nseg ? f->seg_start[i + 1] : f->size, piece_end;
         int d = segment_drive(e, f, &r, i, pos, seg_end, &piece_end);
-        if (piece_end > end)
-            piece_end = end;
+        piece_end = min_u64(piece_end, end);
         int32_t k = f->seg_key[i];
-        uint64_t from = pos > off ? pos : off;
-        if (e->queue_routing && k >= 0 && !primary_only) {
-            int routed = d;
-            d = quickest(e, &r, extra, piece_end - pos, routed);
-            extra[d] += piece_end - pos;
-            if (d != routed && piece_end > from)
-                atomic_fetch_add(&e->ctr.drive_spilled[routed], piece_end - from);
-        }
-        if (k >= 0 && piece_end > from) {
-            atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * (size_t)e->nrep + (size_t)d], piece_end - from);
-            if (k != last_key)
-                atomic_fetch_add(&e->ctr.key_reads[k], 1);
-            last_key = k;
-        }
+        uint64_t from = max_u64(pos, off);
+        if (requeue && k >= 0)
+            d = requeued(e, &r, extra, d, pos, from, piece_end);
+        count_key(e, k, d, from, piece_end, &last_key);
         if (!have || d != drive) {
             snap_feed(&s, pos, d);
             have = 1;
             drive = d;
         }
         pos = piece_end;
-        if (pos >= seg_end)
-            i++;
+        i += pos >= seg_end;
     }
     if (!have)
         snap_feed(&s, start, 0);
@@ -621,27 +631,31 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
     return s.n;
 }
 
+/* Column c's bounds rise to the whole range and give positions, and its stripe sequence chunks,
+ * only to the drives the column allows (the primary, and the mirrors of its set). */
+static int column_ok(const engine_t *e, const uint8_t *row, int c) {
+    uint32_t allowed = ((uint32_t)c << 1) | 1u;
+    uint64_t prev = 0, b = 0;
+    for (int d = 0; d < e->nrep; d++, prev = b) {
+        memcpy(&b, row + 8 * d, 8);
+        if (b < prev || b > (1ull << 32) || (b > prev && !(allowed & (1u << d))))
+            return 0;
+    }
+    for (int k = 0; k < STRIPE_SLOTS; k++) {
+        uint8_t d = row[8 * e->nrep + k];
+        if (d >= e->nrep || !(allowed & (1u << d)))
+            return 0;
+    }
+    return b == 1ull << 32;
+}
+
 int set_routes(engine_t *e, const uint8_t *data, size_t len) {
     size_t width = 8 * (size_t)e->nrep + STRIPE_SLOTS;
     if (len != width * (size_t)e->ncols)
         return -1;
-    for (int c = 0; c < e->ncols; c++) { /* every column checked before any is changed */
-        const uint8_t *row = data + (size_t)c * width;
-        uint32_t allowed = ((uint32_t)c << 1) | 1u;
-        uint64_t prev = 0, b = 0;
-        for (int d = 0; d < e->nrep; d++, prev = b) {
-            memcpy(&b, row + 8 * d, 8);
-            if (b < prev || b > (1ull << 32) || (b > prev && !(allowed & (1u << d))))
-                return -1;
-        }
-        if (b != 1ull << 32)
+    for (int c = 0; c < e->ncols; c++) /* every column checked before any is changed */
+        if (!column_ok(e, data + (size_t)c * width, c))
             return -1;
-        for (int k = 0; k < STRIPE_SLOTS; k++) {
-            uint8_t d = row[8 * e->nrep + k];
-            if (d >= e->nrep || !(allowed & (1u << d)))
-                return -1;
-        }
-    }
     uint64_t gen = atomic_load_explicit(&e->routes_gen, memory_order_relaxed);
     atomic_store_explicit(&e->routes_gen, gen + 1, memory_order_relaxed);
     atomic_thread_fence(memory_order_release);
@@ -799,46 +813,30 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
          pc->status == RES_TIMEOUT, what);
 }
 
-/* The mirror pieces, on their drives' threads, while the caller reads the primary's. When some
- * time out, how->abandon moves the pieces' bytes away from the memory the late jobs write into
- * (before any of them can finish) and names what how->release frees once they all have. Returns
- * 0, or ENOMEM when the bytes could not be moved (the pieces' memory is then the late jobs'). */
-static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt) {
-    size_t nm = 0;
-    for (size_t i = 0; i < n; i++)
-        nm += pc[i].drive != 0;
-    pending_t *p = nm ? pending_new(nm) : NULL;
-    if (nm && !p) { /* no memory for the jobs: the primary reads it all */
-        for (size_t i = 0; i < n; i++)
-            pc[i].drive = 0;
-    }
-    uint64_t inline_bytes = 0;
-    for (size_t i = 0; i < n; i++)
-        inline_bytes += pc[i].drive ? 0 : pc[i].end - pc[i].start;
-    atomic_fetch_add(&e->queued[0], inline_bytes);
-    if (p) {
-        /* Each job holds the file open until it is done: a reading that gives up on a late job
-         * may release the file meanwhile, and a descriptor closed under the job could be reused
-         * by any other open (a /dev/fuse clone, say) before its pread. */
-        pthread_mutex_lock(&f->lock);
-        f->refs += (int)nm;
-        f->jobs += (int)nm;
-        pthread_mutex_unlock(&f->lock);
-        size_t j = 0;
-        for (size_t i = 0; i < n; i++) {
-            if (!pc[i].drive)
-                continue;
-            job_t *jb = &p->jobs[j++];
-            *jb = (job_t){.p = p, .f = f, .drive = pc[i].drive, .run = (int)i, .dst = pc[i].dst,
-                          .off = pc[i].start, .len = pc[i].end - pc[i].start};
-            submit(e, jb);
-        }
-    }
-    for (size_t i = 0; i < n; i++)
+/* The mirror pieces' jobs, queued on their drives. Each job holds the file open until it is done:
+ * a reading that gives up on a late job may release the file meanwhile, and a descriptor closed
+ * under the job could be reused by any other open (a /dev/fuse clone, say) before its pread. */
+static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p, size_t nm) {
+    pthread_mutex_lock(&f->lock);
+    f->refs += (int)nm;
+    f->jobs += (int)nm;
+    pthread_mutex_unlock(&f->lock);
+    size_t j = 0;
+    for (size_t i = 0; i < n; i++) {
         if (!pc[i].drive)
-            read_primary(e, f, pc, how, i, 1);
-    if (!p)
-        return 0;
+            continue;
+        job_t *jb = &p->jobs[j++];
+        *jb = (job_t){.p = p, .f = f, .drive = pc[i].drive, .run = (int)i, .dst = pc[i].dst,
+                      .off = pc[i].start, .len = pc[i].end - pc[i].start};
+        submit(e, jb);
+    }
+}
+
+/* Wait for the jobs (up to the mirror timeout) and judge each. When some time out, how->abandon
+ * moves the pieces' bytes away from the memory the late jobs write into (before any of them can
+ * finish) and names what how->release frees once they all have. 0, or abandon's ENOMEM. */
+static int collect(engine_t *e, pending_t *p, size_t nm, piece_t *pc, size_t n, const reading_t *how,
+                   notes_t *nt) {
     int err = 0;
     int timed_out = wait_jobs(e, p); /* returns with p->m held */
     for (size_t j = 0; j < nm; j++)
@@ -854,6 +852,28 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
     if (last)
         pending_free(p);
     return err;
+}
+
+/* The mirror pieces, on their drives' threads, while the caller reads the primary's. Returns 0,
+ * or ENOMEM when the bytes could not be moved off late jobs' memory (then it is theirs). */
+static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt) {
+    size_t nm = 0;
+    for (size_t i = 0; i < n; i++)
+        nm += pc[i].drive != 0;
+    pending_t *p = nm ? pending_new(nm) : NULL;
+    uint64_t inline_bytes = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!p) /* no mirror piece, or no memory for the jobs: the primary reads it all */
+            pc[i].drive = 0;
+        inline_bytes += pc[i].drive ? 0 : pc[i].end - pc[i].start;
+    }
+    atomic_fetch_add(&e->queued[0], inline_bytes);
+    if (p)
+        hand_out(e, f, pc, n, p, nm);
+    for (size_t i = 0; i < n; i++)
+        if (!pc[i].drive)
+            read_primary(e, f, pc, how, i, 1);
+    return p ? collect(e, p, nm, pc, n, how, nt) : 0;
 }
 
 /* Every mirror piece that failed (and, with how->reread_timeouts, every one that timed out) is
@@ -943,9 +963,37 @@ static int relocate(void *arg, piece_t *pc, size_t n, void **release_arg) {
     return 0;
 }
 
+/* The asked bytes that are valid: a short piece ends them (the end of the file, or it shrank). */
+static void reply_valid(fuse_req_t req, const piece_t *pc, size_t n, const char *buf, uint64_t start,
+                        uint64_t off, uint64_t asked) {
+    uint64_t valid = start;
+    for (size_t i = 0; i < n; i++) {
+        valid += (uint64_t)pc[i].got;
+        if ((uint64_t)pc[i].got < pc[i].end - pc[i].start)
+            break;
+    }
+    uint64_t end = min_u64(valid, asked);
+    fuse_reply_buf(req, end > off ? buf + (off - start) : NULL, end > off ? end - off : 0);
+}
+
+/* Plan [off, asked) into runs of one drive each, read them (the mirrors' on their threads, the
+ * primary's here), fall back where a mirror failed, reply. An errno if no reply was sent. */
+static int read_and_reply(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked,
+                          int primary_only, request_mem_t *mem, piece_t *pc, notes_t *nt) {
+    uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
+    size_t n = plan_runs(e, f, start, asked, stop, off, primary_only, pc);
+    for (size_t i = 0; i < n; i++)
+        pc[i].dst = mem->buf + (pc[i].start - start);
+    reading_t how = {.abandon = relocate, .release = release_buffer, .arg = mem, .reread_timeouts = 1,
+                     .count_from = off, .count_to = asked};
+    int err = read_pieces(e, f, pc, n, &how, nt); /* mem->buf: another one if mirror pieces timed out */
+    if (!err)
+        reply_valid(req, pc, n, mem->buf, start, off, asked);
+    return err;
+}
+
 void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offset, int cached) {
-    uint64_t off = (uint64_t)offset;
-    uint64_t asked = off + size < f->size ? off + size : f->size;
+    uint64_t off = (uint64_t)offset, asked = min_u64(off + size, f->size);
     if (off >= asked) {
         fuse_reply_buf(req, NULL, 0);
         return;
@@ -956,43 +1004,20 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     int via = cached ? stretch_serve(e, req, f, off, asked) : 0;
     if (via > 0)
         return; /* answered from a whole-extent read (stretch.c) */
-    uint64_t start = off & ~(uint64_t)(BLOCK - 1);
-    uint64_t stop = (asked + BLOCK - 1) & ~(uint64_t)(BLOCK - 1);
-    size_t len = stop - start, cap = runs_bound(f, start, stop);
+    uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
+    size_t cap = runs_bound(f, start, stop);
     piece_t small[REQ_BUF / BLOCK + 2];
     piece_t *pc = cap > sizeof small / sizeof *small ? malloc(cap * sizeof *pc) : small;
-    request_mem_t mem = {request_buffer(len), len};
-    char *buf = mem.buf;
-    int err = 0;
-    uint64_t valid = start;
+    request_mem_t mem = {request_buffer(stop - start), stop - start};
     notes_t nt;
     nt.n = 0;
-    if (!pc || !buf) {
-        err = ENOMEM;
-        goto out;
-    }
-    size_t n = plan_runs(e, f, start, asked, stop, off, via < 0, pc); /* via < 0: a stretch's mirror failed */
-    for (size_t i = 0; i < n; i++)
-        pc[i].dst = buf + (pc[i].start - start);
-    reading_t how = {.abandon = relocate, .release = release_buffer, .arg = &mem, .reread_timeouts = 1,
-                     .count_from = off, .count_to = asked};
-    err = read_pieces(e, f, pc, n, &how, &nt);
-    buf = mem.buf; /* another one if some mirror pieces timed out */
-    for (size_t i = 0; i < n && !err; i++) {
-        valid += (uint64_t)pc[i].got;
-        if ((uint64_t)pc[i].got < pc[i].end - pc[i].start)
-            break; /* end of file (or the file shrank under us) */
-    }
-    if (!err) {
-        uint64_t reply_end = valid < asked ? valid : asked;
-        fuse_reply_buf(req, reply_end > off ? buf + (off - start) : NULL, reply_end > off ? reply_end - off : 0);
-    }
-out:
+    /* via < 0: a stretch's mirror failed, so the primary reads it all */
+    int err = pc && mem.buf ? read_and_reply(e, req, f, off, asked, via < 0, &mem, pc, &nt) : ENOMEM;
     if (err)
         fuse_reply_err(req, err);
     send_notes(e, f, &nt); /* after the reply: Python takes its time */
-    if (buf)
-        done_with(buf);
+    if (mem.buf)
+        done_with(mem.buf);
     if (pc != small)
         free(pc);
 }

@@ -31,6 +31,10 @@
 #define CHUNK (1u << 20)   /* stripe unit (colifs.routing.CHUNK) */
 #define STRIPE_SLOTS 64    /* length of a stripe sequence (colifs.routing.STRIPE_SLOTS) */
 #define NOT_STRIPED (-1)   /* a segment's key is kept whole on one drive */
+static inline uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
+static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
+static inline uint64_t align_down_u64(uint64_t n) { return n & ~(uint64_t)(BLOCK - 1); }
+static inline uint64_t align_up_u64(uint64_t n) { return (n + BLOCK - 1) & ~(uint64_t)(BLOCK - 1); }
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
                           (unless its mirror comes back up: engine.epoch) */

@@ -8,6 +8,7 @@
 #include "engine.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <signal.h>
 #include <stdlib.h>
 #include <string.h>
@@ -199,24 +200,8 @@ static int load_children(engine_t *e, PyObject *children) {
     return 0;
 }
 
-static int load_file(engine_t *e, file_t *f, PyObject *t) {
-    PyObject *relpath, *idents;
-    const char *starts, *keys, *where, *rots;
-    Py_ssize_t ns, nk, np, nr;
-    unsigned long long size;
-    unsigned int mask;
-    if (!PyArg_ParseTuple(t, "SKIOy#y#y#y#", &relpath, &size, &mask, &idents, &starts, &ns, &keys, &nk, &where,
-                          &np, &rots, &nr))
-        return -1;
-    f->relpath = dup_bytes(relpath);
-    if (!f->relpath)
-        return -1;
-    f->size = size;
-    f->mask = mask | 1u;
-    pthread_mutex_init(&f->lock, NULL);
-    pthread_cond_init(&f->opened, NULL);
-    for (int d = 0; d < MAX_REPLICAS; d++)
-        atomic_init(&f->fd[d], FD_CLOSED);
+/* Each replica's identity of the file's copy at mount (what a reopened copy must still be). */
+static int load_identities(engine_t *e, file_t *f, PyObject *idents) {
     if (PySequence_Size(idents) != e->nrep) {
         PyErr_SetString(PyExc_ValueError, "one identity per replica expected");
         return -1;
@@ -233,35 +218,69 @@ static int load_file(engine_t *e, file_t *f, PyObject *t) {
             return -1;
         f->ident[d] = (ident_t){dev, ino, sz, mt};
     }
-    uint32_t nseg = (uint32_t)(ns / 8);
-    if (ns % 8 || nk != (Py_ssize_t)nseg * 4 || np != (Py_ssize_t)nseg * 4 || nr != (Py_ssize_t)nseg ||
-        (size && !nseg)) {
+    return 0;
+}
+
+static void *copy_of(const char *src, size_t n, size_t spare) {
+    void *p = malloc(n + spare);
+    if (p)
+        memcpy(p, src, n);
+    return p;
+}
+
+/* Segment i starts after the one before it, inside the file, with a known key and rotation. */
+static int segment_ok(const engine_t *e, const file_t *f, uint32_t i) {
+    uint64_t at = f->seg_start[i];
+    int ordered = i == 0 ? at == 0 : at > f->seg_start[i - 1];
+    return ordered && at < f->size && f->seg_key[i] >= -1 && f->seg_key[i] < (int32_t)e->nkeys &&
+           f->seg_rot[i] >= NOT_STRIPED && f->seg_rot[i] < STRIPE_SLOTS;
+}
+
+/* The run table (colifs.readplan.run_table): segment starts, keys, positions, rotations. */
+static int load_segments(const engine_t *e, file_t *f, const char *const col[4], const Py_ssize_t len[4]) {
+    uint32_t nseg = (uint32_t)(len[0] / 8);
+    if (len[0] % 8 || len[1] != (Py_ssize_t)nseg * 4 || len[2] != (Py_ssize_t)nseg * 4 ||
+        len[3] != (Py_ssize_t)nseg || (f->size && !nseg)) {
         PyErr_SetString(PyExc_ValueError, "run table sizes do not agree");
         return -1;
     }
     f->nseg = nseg;
-    f->seg_start = malloc((size_t)ns + 8);
-    f->seg_key = malloc((size_t)nk + 4);
-    f->seg_pos = malloc((size_t)np + 4);
-    f->seg_rot = malloc((size_t)nr + 1);
+    f->seg_start = copy_of(col[0], (size_t)len[0], 8);
+    f->seg_key = copy_of(col[1], (size_t)len[1], 4);
+    f->seg_pos = copy_of(col[2], (size_t)len[2], 4);
+    f->seg_rot = copy_of(col[3], (size_t)len[3], 1);
     if (!f->seg_start || !f->seg_key || !f->seg_pos || !f->seg_rot) {
         PyErr_NoMemory();
         return -1;
     }
-    memcpy(f->seg_start, starts, (size_t)ns);
-    memcpy(f->seg_key, keys, (size_t)nk);
-    memcpy(f->seg_pos, where, (size_t)np);
-    memcpy(f->seg_rot, rots, (size_t)nr);
     for (uint32_t i = 0; i < nseg; i++) {
-        int bad = (i == 0 ? f->seg_start[0] != 0 : f->seg_start[i] <= f->seg_start[i - 1]) ||
-                  f->seg_start[i] >= size || f->seg_key[i] < -1 || f->seg_key[i] >= (int32_t)e->nkeys ||
-                  f->seg_rot[i] < NOT_STRIPED || f->seg_rot[i] >= STRIPE_SLOTS;
-        if (bad) {
+        if (!segment_ok(e, f, i)) {
             PyErr_Format(PyExc_ValueError, "run table of %s: bad segment %u", f->relpath, i);
             return -1;
         }
     }
     return 0;
+}
+
+static int load_file(engine_t *e, file_t *f, PyObject *t) {
+    PyObject *relpath, *idents;
+    const char *col[4];
+    Py_ssize_t len[4];
+    unsigned long long size;
+    unsigned int mask;
+    if (!PyArg_ParseTuple(t, "SKIOy#y#y#y#", &relpath, &size, &mask, &idents, &col[0], &len[0], &col[1], &len[1],
+                          &col[2], &len[2], &col[3], &len[3]))
+        return -1;
+    f->relpath = dup_bytes(relpath);
+    if (!f->relpath)
+        return -1;
+    f->size = size;
+    f->mask = mask | 1u;
+    pthread_mutex_init(&f->lock, NULL);
+    pthread_cond_init(&f->opened, NULL);
+    for (int d = 0; d < MAX_REPLICAS; d++)
+        atomic_init(&f->fd[d], FD_CLOSED);
+    return load_identities(e, f, idents) || load_segments(e, f, col, len) ? -1 : 0;
 }
 
 static int load_files(engine_t *e, PyObject *files) {
@@ -286,34 +305,178 @@ static int load_files(engine_t *e, PyObject *files) {
     return 0;
 }
 
-/* The counters live in memory Python owns, laid out as colifs.native.NativeCounters says. */
+/* The counters, in the memory Python owns: the one statement of their layout, in order. Python
+ * asks for it (counter_layout) and reads each field by name; `stretch` and `passthrough` hold
+ * the fields colifs.native names in EXTENT_BUFFER and PASSTHROUGH (a test checks the widths). */
+typedef enum { ONCE, PER_DRIVE, PER_KEY_AND_DRIVE, PER_KEY, PER_FILE } scale_t;
+
+static const struct counter_field {
+    const char *name;
+    size_t at; /* where counters_t points to it */
+    scale_t scale;
+    size_t width; /* words per unit of the scale */
+} COUNTERS[] = {
+    {"drive_bytes", offsetof(counters_t, drive_bytes), PER_DRIVE, 1},
+    {"drive_reads", offsetof(counters_t, drive_reads), PER_DRIVE, 1},
+    {"drive_errors", offsetof(counters_t, drive_errors), PER_DRIVE, 1},
+    {"drive_busy", offsetof(counters_t, drive_busy), PER_DRIVE, 1},
+    {"drive_ok", offsetof(counters_t, drive_ok), PER_DRIVE, 1},
+    {"drive_busy_ns", offsetof(counters_t, drive_busy_ns), PER_DRIVE, 1},
+    {"drive_spilled", offsetof(counters_t, drive_spilled), PER_DRIVE, 1},
+    {"fallbacks", offsetof(counters_t, fallbacks), ONCE, 2},
+    {"stretch", offsetof(counters_t, stretch), ONCE, 7},
+    {"passthrough", offsetof(counters_t, passthrough), ONCE, 4},
+    {"key_bytes", offsetof(counters_t, key_bytes), PER_KEY_AND_DRIVE, 1},
+    {"key_reads", offsetof(counters_t, key_reads), PER_KEY, 1},
+    {"file_bytes", offsetof(counters_t, file_bytes), PER_FILE, 1},
+    {"file_reads", offsetof(counters_t, file_reads), PER_FILE, 1},
+};
+#define NCOUNTERS (sizeof COUNTERS / sizeof *COUNTERS)
+
+static size_t counter_words(const struct counter_field *c, size_t nrep, size_t nkeys, size_t nfiles) {
+    size_t units[] = {[ONCE] = 1, [PER_DRIVE] = nrep, [PER_KEY_AND_DRIVE] = nkeys * nrep, [PER_KEY] = nkeys,
+                      [PER_FILE] = nfiles};
+    return c->width * units[c->scale];
+}
+
 static int map_counters(engine_t *e, Py_buffer *buf) {
-    size_t r = (size_t)e->nrep;
-    size_t words = 7 * r + 2 + 7 + 4 + e->nkeys * r + e->nkeys + 2 * e->nfiles;
+    size_t words = 0;
+    for (size_t i = 0; i < NCOUNTERS; i++)
+        words += counter_words(&COUNTERS[i], (size_t)e->nrep, e->nkeys, e->nfiles);
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
     }
     memset(buf->buf, 0, words * 8);
     _Atomic uint64_t *p = buf->buf;
-    e->ctr.drive_bytes = p, p += r;
-    e->ctr.drive_reads = p, p += r;
-    e->ctr.drive_errors = p, p += r;
-    e->ctr.drive_busy = p, p += r;
-    e->ctr.drive_ok = p, p += r;
-    e->ctr.drive_busy_ns = p, p += r;
-    e->ctr.drive_spilled = p, p += r;
-    e->ctr.fallbacks = p, p += 2;
-    e->ctr.stretch = p, p += 7;
-    e->ctr.passthrough = p, p += 4;
-    e->ctr.key_bytes = p, p += e->nkeys * r;
-    e->ctr.key_reads = p, p += e->nkeys;
-    e->ctr.file_bytes = p, p += e->nfiles;
-    e->ctr.file_reads = p;
+    for (size_t i = 0; i < NCOUNTERS; i++) {
+        *(_Atomic uint64_t **)((char *)&e->ctr + COUNTERS[i].at) = p;
+        p += counter_words(&COUNTERS[i], (size_t)e->nrep, e->nkeys, e->nfiles);
+    }
     return 0;
 }
 
+static PyObject *counter_layout(PyObject *module, PyObject *args) {
+    (void)module;
+    Py_ssize_t nrep, nkeys, nfiles;
+    if (!PyArg_ParseTuple(args, "nnn", &nrep, &nkeys, &nfiles))
+        return NULL;
+    if (nrep < 1 || nrep > MAX_REPLICAS || nkeys < 0 || nfiles < 0 || nkeys > (Py_ssize_t)1 << 40 ||
+        nfiles > (Py_ssize_t)1 << 40) {
+        PyErr_Format(PyExc_ValueError, "counter_layout: 1 to %d replicas, counts from 0 to 2^40", MAX_REPLICAS);
+        return NULL;
+    }
+    PyObject *out = PyList_New((Py_ssize_t)NCOUNTERS);
+    for (size_t i = 0; out && i < NCOUNTERS; i++) {
+        size_t n = counter_words(&COUNTERS[i], (size_t)nrep, (size_t)nkeys, (size_t)nfiles);
+        PyObject *item = Py_BuildValue("(sn)", COUNTERS[i].name, (Py_ssize_t)n);
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    return out;
+}
+
 /* -- the type ---------------------------------------------------------------------------------- */
+
+/* The callbacks: owned from here, whatever fails after (dealloc releases them, and a second
+ * __init__ after a failed one the first one's). */
+static void own_callbacks(EngineObject *self, PyObject *const calls[4]) {
+    PyObject **owned[4] = {&self->control, &self->xattr, &self->listxattr, &self->event};
+    for (int i = 0; i < 4; i++) {
+        PyObject *old = *owned[i];
+        Py_INCREF(calls[i]);
+        *owned[i] = calls[i];
+        Py_XDECREF(old);
+    }
+}
+
+/* One byte per key, 1 for the routed experts (the keys stretches work on). Releases `experts`. */
+static int load_experts(engine_t *e, Py_buffer *experts, Py_ssize_t nkeys) {
+    int bad = experts->buf && experts->len != nkeys;
+    if (!bad && nkeys > 0) {
+        e->key_expert = calloc((size_t)nkeys, 1);
+        if (e->key_expert && experts->buf)
+            memcpy(e->key_expert, experts->buf, (size_t)nkeys);
+    }
+    if (experts->buf)
+        PyBuffer_Release(experts);
+    if (bad) {
+        PyErr_SetString(PyExc_ValueError, "expert_keys: one byte per key expected");
+        return -1;
+    }
+    if (nkeys > 0 && !e->key_expert) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* The replicas' roots and the routes in force (colifs.readplan.route_columns). */
+static int load_replicas(engine_t *e, PyObject *roots, const uint8_t *routes, size_t route_len, int ok) {
+    Py_ssize_t nrep = PySequence_Size(roots);
+    if (nrep < 1 || nrep > MAX_REPLICAS || !ok) {
+        PyErr_Format(PyExc_ValueError, "1 to %d replicas, and at least one thread of each kind", MAX_REPLICAS);
+        return -1;
+    }
+    e->nrep = (int)nrep;
+    e->ncols = 1 << (e->nrep - 1);
+    for (int d = 0; d < e->nrep; d++)
+        pthread_mutex_init(&e->activity[d].m, NULL);
+    if (!routes || set_routes(e, routes, route_len)) {
+        PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
+        return -1;
+    }
+    for (int d = 0; d < e->nrep; d++) {
+        PyObject *b = PySequence_GetItem(roots, d);
+        e->roots[d] = b ? dup_bytes(b) : NULL;
+        Py_XDECREF(b);
+        if (!e->roots[d])
+            return -1;
+    }
+    return 0;
+}
+
+/* The namespace, the files' run tables, the counters' memory and the extent buffer. */
+static int load_tables(EngineObject *self, PyObject *files, PyObject *children, PyObject *nodes,
+                       PyObject *counters, Py_ssize_t stretch_units) {
+    engine_t *e = &self->e;
+    if (load_files(e, files) || load_children(e, children) || load_nodes(e, nodes, e->nchildren))
+        return -1;
+    if (PyObject_GetBuffer(counters, &self->counters, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS))
+        return -1;
+    self->have_counters = 1;
+    if (map_counters(e, &self->counters))
+        return -1;
+    if (stretch_units < 0 || stretch_init(e, (size_t)stretch_units)) {
+        PyErr_SetString(PyExc_ValueError, "stretch_units: a buffer of that many MiB cannot be mapped");
+        return -1;
+    }
+    for (size_t i = 0; i < e->nchildren; i++) {
+        if (!engine_node(e, e->children[i].ino)) {
+            PyErr_SetString(PyExc_ValueError, "a directory entry names an unknown inode");
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static int new_session(engine_t *e, const char *opts) {
+    struct fuse_args fa = FUSE_ARGS_INIT(0, NULL);
+    if (fuse_opt_add_arg(&fa, "colifs") || fuse_opt_add_arg(&fa, "-o") || fuse_opt_add_arg(&fa, opts)) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->se = fuse_session_new(&fa, &colifs_ops, sizeof colifs_ops, e);
+    fuse_opt_free_args(&fa);
+    if (!e->se) {
+        PyErr_SetString(PyExc_RuntimeError, "fuse_session_new failed (bad options?)");
+        return -1;
+    }
+    return 0;
+}
 
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
@@ -337,58 +500,19 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
                                      &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
                                      &experts, &stretch_units, &passthrough, &queue_routing))
         return -1;
-    /* Owned from here, whatever fails below: dealloc releases them (and a second __init__ after a
-     * failed one, the first one's). */
-    PyObject **owned[4] = {&self->control, &self->xattr, &self->listxattr, &self->event};
-    for (int i = 0; i < 4; i++) {
-        PyObject *old = *owned[i];
-        Py_INCREF(calls[i]);
-        *owned[i] = calls[i];
-        Py_XDECREF(old);
-    }
+    own_callbacks(self, calls);
     uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
     size_t route_len = (size_t)routes.len;
-    if (route_len <= sizeof route_bytes)
+    int routes_fit = route_len <= sizeof route_bytes;
+    if (routes_fit)
         memcpy(route_bytes, routes.buf, route_len);
     PyBuffer_Release(&routes);
-    int bad_experts = experts.buf && experts.len != nkeys;
-    engine_t *pe = &self->e;
-    if (!bad_experts && nkeys > 0) {
-        pe->key_expert = calloc((size_t)nkeys, 1);
-        if (pe->key_expert && experts.buf)
-            memcpy(pe->key_expert, experts.buf, (size_t)nkeys);
-    }
-    if (experts.buf)
-        PyBuffer_Release(&experts);
-    if (bad_experts) {
-        PyErr_SetString(PyExc_ValueError, "expert_keys: one byte per key expected");
-        return -1;
-    }
-    if (nkeys > 0 && !pe->key_expert) {
-        PyErr_NoMemory();
-        return -1;
-    }
     engine_t *e = &self->e;
-    Py_ssize_t nrep = PySequence_Size(roots);
-    if (nrep < 1 || nrep > MAX_REPLICAS || fuse_threads < 1 || drive_threads < 1 || nkeys < 0) {
-        PyErr_Format(PyExc_ValueError, "1 to %d replicas, and at least one thread of each kind", MAX_REPLICAS);
+    if (load_experts(e, &experts, nkeys))
         return -1;
-    }
-    e->nrep = (int)nrep;
-    e->ncols = 1 << (e->nrep - 1);
-    for (int d = 0; d < e->nrep; d++)
-        pthread_mutex_init(&e->activity[d].m, NULL);
-    if (route_len > sizeof route_bytes || set_routes(e, route_bytes, route_len)) {
-        PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
+    int counts_ok = fuse_threads >= 1 && drive_threads >= 1 && nkeys >= 0;
+    if (load_replicas(e, roots, routes_fit ? route_bytes : NULL, route_len, counts_ok))
         return -1;
-    }
-    for (int d = 0; d < e->nrep; d++) {
-        PyObject *b = PySequence_GetItem(roots, d);
-        e->roots[d] = b ? dup_bytes(b) : NULL;
-        Py_XDECREF(b);
-        if (!e->roots[d])
-            return -1;
-    }
     e->direct_io = direct;
     e->passthrough = passthrough;
     e->queue_routing = queue_routing;
@@ -403,37 +527,9 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     e->xattr = py_xattr;
     e->listxattr = py_listxattr;
     e->event = py_event;
-    if (load_files(e, files) || load_children(e, children))
+    if (load_tables(self, files, children, nodes, counters, stretch_units))
         return -1;
-    if (load_nodes(e, nodes, e->nchildren))
-        return -1;
-    if (PyObject_GetBuffer(counters, &self->counters, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS))
-        return -1;
-    self->have_counters = 1;
-    if (map_counters(e, &self->counters))
-        return -1;
-    if (stretch_units < 0 || stretch_init(e, (size_t)stretch_units)) {
-        PyErr_SetString(PyExc_ValueError, "stretch_units: a buffer of that many MiB cannot be mapped");
-        return -1;
-    }
-    for (size_t i = 0; i < e->nchildren; i++) {
-        if (!engine_node(e, e->children[i].ino)) {
-            PyErr_SetString(PyExc_ValueError, "a directory entry names an unknown inode");
-            return -1;
-        }
-    }
-    struct fuse_args fa = FUSE_ARGS_INIT(0, NULL);
-    if (fuse_opt_add_arg(&fa, "colifs") || fuse_opt_add_arg(&fa, "-o") || fuse_opt_add_arg(&fa, opts)) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    e->se = fuse_session_new(&fa, &colifs_ops, sizeof colifs_ops, e);
-    fuse_opt_free_args(&fa);
-    if (!e->se) {
-        PyErr_SetString(PyExc_RuntimeError, "fuse_session_new failed (bad options?)");
-        return -1;
-    }
-    return 0;
+    return new_session(e, opts);
 }
 
 static PyObject *Engine_mount(EngineObject *self, PyObject *unused) {
@@ -571,10 +667,10 @@ static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
-/* No thread of ours can run any more: the session was closed (or never made) and no drive thread
- * was left stuck in a read. Until then a thread may use the engine and call back into Python. */
+/* No thread of ours runs, or can: never mounted (threads start with the mount), or closed with no
+ * drive thread left stuck in a read. Until then a thread may use the engine and call into Python. */
 static int quiescent(EngineObject *self) {
-    return (self->destroyed || !self->e.se) && !self->e.threads_left && !atomic_load(&self->e.looping);
+    return (self->destroyed || !self->mounted) && !self->e.threads_left && !atomic_load(&self->e.looping);
 }
 
 /* The callbacks are bound methods of the NativeEngine that holds this object: a cycle only the
@@ -588,7 +684,8 @@ static int Engine_traverse(EngineObject *self, visitproc visit, void *arg) {
 }
 
 static int Engine_clear(EngineObject *self) {
-    if (!quiescent(self)) /* a thread may still call them: the cycle is kept (a leak, not a crash) */
+    if (!quiescent(self)) /* a thread may still call them: kept (the collector breaks the cycle at the
+                             holder's attributes instead; this object then stays allocated) */
         return 0;
     Py_CLEAR(self->control);
     Py_CLEAR(self->xattr);
@@ -605,6 +702,8 @@ static void Engine_dealloc(EngineObject *self) {
     if (!quiescent(self))
         return;
     engine_t *e = &self->e;
+    if (e->se && !self->destroyed)
+        fuse_session_destroy(e->se); /* made, never mounted */
     for (size_t i = 0; i < e->nfiles; i++) {
         free(e->files[i].relpath);
         free(e->files[i].seg_start);
@@ -660,8 +759,36 @@ static PyTypeObject EngineType = {
     .tp_methods = Engine_methods,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "colifs' native FUSE engine.", -1, NULL,
-                                    NULL, NULL, NULL, NULL};
+static PyMethodDef module_functions[] = {
+    {"counter_layout", counter_layout, METH_VARARGS,
+     "counter_layout(nrep, nkeys, nfiles): [(name, words)] of the counters' memory, in order."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "colifs' native FUSE engine.", -1,
+                                    module_functions, NULL, NULL, NULL, NULL};
+
+/* What Python passes or reads that C defines: one place each (tests compare them with Python's). */
+static int add_constants(PyObject *m) {
+    PyObject *kinds = Py_BuildValue("{sisisisisi}", "dir", NODE_DIR, "reg", NODE_REG, "lnk", NODE_LNK,
+                                    "control_dir", NODE_CONTROL_DIR, "control_file", NODE_CONTROL_FILE);
+    if (!kinds || PyModule_AddObject(m, "NODE_KINDS", kinds) < 0) {
+        Py_XDECREF(kinds);
+        return -1;
+    }
+    return PyModule_AddIntConstant(m, "MAX_REPLICAS", MAX_REPLICAS) < 0 ||
+                   PyModule_AddIntConstant(m, "STRIPE_SLOTS", STRIPE_SLOTS) < 0 ||
+                   PyModule_AddIntConstant(m, "NOT_STRIPED", NOT_STRIPED) < 0 ||
+                   PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_MIRROR_FAILED", EV_MIRROR_FAILED) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_MIRROR_CHANGED", EV_MIRROR_CHANGED) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0
+               ? -1
+               : 0;
+}
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&EngineType) < 0)
@@ -670,14 +797,7 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!m)
         return NULL;
     Py_INCREF(&EngineType);
-    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_REPLICAS", MAX_REPLICAS) < 0 ||
-        PyModule_AddIntConstant(m, "EV_MIRROR_FAILED", EV_MIRROR_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "EV_MIRROR_CHANGED", EV_MIRROR_CHANGED) < 0 ||
-        PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
-        PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
-        PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0 ||
-        PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0) {
+    if (PyModule_AddObject(m, "Engine", (PyObject *)&EngineType) < 0 || add_constants(m) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -235,6 +235,16 @@ static void late_done(void *arg) {
     pthread_mutex_unlock(&e->stretches.m);
 }
 
+/* The segments [*lo, *hi) of key k around segment i: its whole extent. */
+static void key_span(const file_t *f, uint32_t i, int32_t k, uint32_t *lo, uint32_t *hi) {
+    *lo = i;
+    *hi = i + 1;
+    while (*lo > 0 && f->seg_key[*lo - 1] == k)
+        (*lo)--;
+    while (*hi < f->nseg && f->seg_key[*hi] == k)
+        (*hi)++;
+}
+
 /* The stretch a request in a routed expert's extent would start: the whole extent (faults come in
  * any order: a memcpy may copy backwards, threads split a matrix's rows), or, of one longer than a
  * stretch, as much as fits from the request on; never over a neighbouring stretch (the one that
@@ -245,20 +255,15 @@ static int extent_range(engine_t *e, file_t *f, uint64_t off, uint64_t asked, ui
     int32_t k = f->seg_key[i];
     if (k < 0 || !e->key_expert[k] || asked > next)
         return 0;
-    uint32_t lo = i, hi = i + 1;
-    while (lo > 0 && f->seg_key[lo - 1] == k)
-        lo--;
-    while (hi < f->nseg && f->seg_key[hi] == k)
-        hi++;
+    uint32_t lo, hi;
+    key_span(f, i, k, &lo, &hi);
     const uint64_t most = (uint64_t)STRETCH_MAX_UNITS * STRETCH_UNIT - BLOCK;
-    uint64_t head = off & ~(uint64_t)(BLOCK - 1);
-    uint64_t a = f->seg_start[lo] & ~(uint64_t)(BLOCK - 1), b = hi < f->nseg ? f->seg_start[hi] : f->size;
+    uint64_t head = align_down_u64(off);
+    uint64_t a = align_down_u64(f->seg_start[lo]), b = hi < f->nseg ? f->seg_start[hi] : f->size;
     if (b - a > most)
         a = head;
-    a = a > prev_end ? a : prev_end;
-    a = a < head ? a : head;
-    b = b < next ? b : next;
-    b = b < a + most ? b : a + most;
+    a = min_u64(max_u64(a, prev_end), head);
+    b = min_u64(min_u64(b, next), a + most);
     if (b < asked || b - a < STRETCH_MIN)
         return 0;
     *start = a;

@@ -19,12 +19,12 @@ from typing import Any
 import trio
 
 from colifs.assemble import Assembly, assemble
-from colifs.backing import BackingIO
+from colifs.backing import BLOCK, BackingIO
 from colifs.config import MountConfig
 from colifs.formats import format_of
-from colifs.fs import ColiFS
+from colifs.formats.layout import ExpertKey
 from colifs.kernel import mount_type
-from colifs.layout import ExpertKey
+from colifs.pyfuse3.fs import ColiFS
 from colifs.synth import write_checkpoint, write_gguf
 
 COLIFS = [sys.executable, "-m", "colifs"]
@@ -278,3 +278,41 @@ def fused_model(tmp_path: Path, layers: int, inter: int) -> tuple[Path, Path, Pa
     )
     shutil.copytree(primary, mirror)
     return primary, mirror, primary / "m.gguf"
+
+
+def refuse(args: list[str], code: int, text: str, mnt: Path | None = None) -> None:
+    out = run_colifs(*args)
+    assert out.returncode == code, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("colifs: error: ") and text in lines[0], out.stderr
+    assert "Traceback" not in out.stderr
+    if mnt is not None:
+        assert not is_mounted(mnt)
+
+
+def drive_of_each_expert(m, ranges) -> dict:
+    """Read each expert through the mount and see which drive's counter moved.
+
+    Run boundaries are snapped to 4 KiB (O_DIRECT straight into one buffer), so up to one block
+    at each edge of an expert may come from its neighbour's drive; everything else from its own.
+    """
+    where = {}
+    for (name, key), spans in sorted(ranges.items()):
+        before = [r["bytes_served"] for r in m.stats()["replicas"]]
+        for start, end in spans:
+            read_direct(m.path / name, start, end - start)
+        after = [r["bytes_served"] for r in m.stats()["replicas"]]
+        moved = [i for i, (a, b) in enumerate(zip(before, after, strict=True)) if b - a > 2 * BLOCK]
+        assert len(moved) == 1, (key, before, after)  # one expert, one drive
+        assert sum(after) - sum(before) - (after[moved[0]] - before[moved[0]]) < 2 * BLOCK
+        where[name, key] = moved[0]
+    return where
+
+
+def expert_ranges(root: Path) -> dict[tuple[str, ExpertKey], list[tuple[int, int]]]:
+    """(file, key) → byte ranges of that expert in that file, from the headers (any model format)."""
+    out: dict[tuple[str, ExpertKey], list[tuple[int, int]]] = {}
+    for key, spans in expert_spans(root).items():
+        for name, start, end in spans:
+            out.setdefault((name, key), []).append((start, end))
+    return out

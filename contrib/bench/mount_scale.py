@@ -77,7 +77,7 @@ def write_history(path: Path) -> int:
     """A usage file with every key of the model, random (seeded) counts: its size in bytes."""
     import random
 
-    from colifs.layout import tensor_key
+    from colifs.formats.experts import tensor_key
     from colifs.usage import Usage, save
 
     rng = random.Random(0)

@@ -89,9 +89,9 @@ def test_sdist_then_wheel_build_without_a_warning(tmp_path: Path) -> None:
     assert wheel.name.startswith(f"colifs-{__version__}-")
     with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
-        modules = {p.name for p in (ROOT / "colifs").glob("*.py")}
-        inside = {Path(n).name for n in names if n.startswith("colifs/")}
-        native = {n for n in inside if n.startswith("_native.") and n.endswith(".so")}
+        modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "colifs").rglob("*.py")}
+        inside = {n for n in names if n.startswith("colifs/")}
+        native = {n for n in inside if n.startswith("colifs/_native.") and n.endswith(".so")}
         assert len(native) == 1, inside  # the native engine, compiled by the wheel build
         assert inside - native == modules
         entry = next(n for n in names if n.endswith("entry_points.txt"))

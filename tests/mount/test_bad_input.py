@@ -9,10 +9,15 @@ import shutil
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colifs.synth import write_checkpoint
-from tests.helpers import mounted
+from tests.helpers import (
+    mounted,
+    read_direct,
+    refuse,
+)
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
@@ -135,3 +140,30 @@ def test_hostile_usage_file_and_receipt_are_one_warning_each(tmp_path: Path) -> 
             assert m.stats()["files"][p.name]["replicas"] == [str(primary), str(mirror)]
             assert (m.path / p.name).read_bytes() == p.read_bytes()
     assert (primary / USAGE_NAME).read_bytes() == nested  # left as it was: the user decides
+
+
+def test_bad_input_is_one_line_and_a_specific_exit_code(model, tmp_path: Path) -> None:
+    primary, mirror, mnt = model
+    p, m, t = str(primary), str(mirror), str(mnt)
+    refuse(["mount", str(tmp_path / "nope"), m, t], 32, "does not exist", mnt)
+    refuse(["mount", str(primary / "config.json"), m, t], 32, "is not a directory", mnt)
+    (tmp_path / "alias").symlink_to(primary)
+    refuse(["mount", p, str(tmp_path / "alias"), t], 32, "are the same directory", mnt)
+    refuse(["mount", p, m, str(primary / "sub")], 32, "does not exist")
+    (primary / "inner").mkdir()
+    refuse(["mount", p, m, str(primary / "inner")], 32, "is inside", primary / "inner")
+    (mnt / "file").write_text("x")
+    refuse(["mount", p, m, t], 32, "is not empty", mnt)
+    (mnt / "file").unlink()
+    refuse(["mount", p, m, t, "--weights", "1"], 2, "1 given, 2 replicas", mnt)
+    refuse(["mount", p, m, t, "--weights", "1,0"], 2, "positive", mnt)
+    refuse(["mount", p], 2, "PRIMARY [MIRROR ...] MOUNTPOINT")
+    refuse(["umount", t], 3, "is not a colifs mount")
+    refuse(["stats", t], 3, "is not a colifs mount")
+
+
+def test_a_second_mount_on_the_same_mountpoint_is_refused(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt):
+        refuse(["mount", str(primary), str(mirror), str(mnt)], 32, "already a mount point")
+        assert np.frombuffer(read_direct(mnt / "config.json", 0, 10), np.uint8).size == 10

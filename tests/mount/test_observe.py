@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colifs.formats import format_of
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from tests.helpers import mounted, read_direct, run_colifs
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines

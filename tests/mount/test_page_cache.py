@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from tests.helpers import drop_file_cache, extents_of, fused_model, mounted
 from tests.mount.test_faults import read_all, stats, through_faultfs
 

@@ -3,6 +3,8 @@ signal, umount(8)) unless --lazy is asked for, and then its users keep their fil
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import is_mounted, mounted, run_colifs
+from tests.helpers import (
+    COLIFS,
+    force_unmount,
+    is_mounted,
+    mounted,
+    refuse,
+    run_colifs,
+)
 
 pytestmark = pytest.mark.mounts
 
@@ -140,3 +149,56 @@ def test_umount8_refuses_a_busy_mount_and_unmounts_an_idle_one(model) -> None:
         assert out.returncode == 0, out
         wait_gone(pid)  # the daemon saw the kernel end the session and exited
         assert not is_mounted(mnt)
+
+
+def test_umount_returns_once_the_daemon_is_gone(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt) as m:
+        pid = m.stats()["pid"]
+        out = run_colifs("umount", str(mnt))
+        assert out.returncode == 0, out.stderr
+        assert not is_mounted(mnt)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("when", ["mounted, not yet serving", "serving"])
+def test_signal_to_a_foreground_mount_unmounts_cleanly(model, sig, when) -> None:
+    primary, mirror, mnt = model
+    proc = subprocess.Popen(
+        [*COLIFS, "mount", "-f", "--no-probe", str(primary), str(mirror), str(mnt)],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not (is_mounted(mnt) if when.startswith("mounted") else (mnt / ".colifs").exists()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
+            time.sleep(0.001)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=15) == 0, proc.stderr.read()
+        assert not is_mounted(mnt)
+    finally:
+        proc.kill()
+        force_unmount(mnt)
+
+
+def test_umount_clears_a_stale_mount_whose_daemon_was_killed(model) -> None:
+    primary, mirror, mnt = model
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt))
+    assert out.returncode == 0, out.stderr
+    try:
+        pid = json.loads((mnt / ".colifs" / "stats.json").read_text())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(OSError) as e:
+            os.listdir(mnt)
+        assert e.value.errno == errno.ENOTCONN
+        refuse(["mount", str(primary), str(mirror), str(mnt)], 32, "stale mount")
+        out = run_colifs("umount", str(mnt))
+        assert out.returncode == 0, out.stderr
+        assert not is_mounted(mnt) and os.listdir(mnt) == []
+    finally:
+        force_unmount(mnt)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from colifs.usage import USAGE_NAME, load
 from tests.helpers import expert_spans, mounted, read_experts, run_colifs
 

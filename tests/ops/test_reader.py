@@ -17,12 +17,12 @@ import pytest
 import trio
 
 from colifs.assemble import Assembly
-from colifs.fakeio import FaultyIO
-from colifs.fs import ColiFS
 from colifs.health import FAILURES_TO_DOWN
-from colifs.reader import Reader
+from colifs.pyfuse3.fs import ColiFS
+from colifs.pyfuse3.reader import Reader
+from colifs.pyfuse3.workers import DriveWorkers
 from colifs.stats import Stats
-from colifs.workers import DriveWorkers
+from tests.fakeio import FaultyIO
 from tests.helpers import assembled, ops_of, run_ops
 
 

@@ -1,6 +1,7 @@
 """The shape of the code, checked: state has one owner (no module assigns another object's
 attributes), every function stays simple enough to read top-down, the commands that need no mount
-import no FUSE, and the README's module table names every module."""
+import no FUSE, neither engine imports the other, and the README's module table names every
+module (sub-packages included)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
+import lizard
 from radon.complexity import cc_visit
 
 from tests.helpers import ROOT
 
 PACKAGE = ROOT / "colifs"
-MAX_COMPLEXITY = 15  # radon's cyclomatic complexity: every function below it
+MAX_COMPLEXITY = 15  # cyclomatic complexity (radon for Python, lizard for C): every function below it
 # Objects filled field by field because their type offers nothing else: pyfuse3's reply structs,
 # the stdlib logger's configuration.
-ALLOWED = {("fs.py", "e"), ("fs.py", "out"), ("logs.py", "log")}
+ALLOWED = {("pyfuse3/fs.py", "e"), ("pyfuse3/fs.py", "out"), ("logs.py", "log")}
 MUTATORS = {"append", "extend", "add", "update", "pop", "discard", "clear", "setdefault", "remove", "insert"}
 
 
@@ -62,12 +65,22 @@ def _writes(tree: ast.AST) -> Iterator[tuple[int, str, str]]:
                     yield node.lineno, who, ast.unparse(part)
 
 
+def modules() -> list[Path]:
+    """Every module of the package, sub-packages included."""
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def name(path: Path) -> str:
+    """`pyfuse3/fs.py`: a module's path inside the package."""
+    return path.relative_to(PACKAGE).as_posix()
+
+
 def test_no_module_assigns_another_objects_attributes() -> None:
     found = []
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in modules():
         for line, who, what in _writes(ast.parse(path.read_text())):
-            if (path.name, who) not in ALLOWED:
-                found.append(f"{path.name}:{line}: {what}")
+            if (name(path), who) not in ALLOWED:
+                found.append(f"{name(path)}:{line}: {what}")
     assert not found, "state written from outside its owner (give the owner a method):\n" + "\n".join(found)
 
 
@@ -78,11 +91,17 @@ def test_the_check_sees_an_outside_assignment() -> None:
 
 def test_every_function_is_simple_enough() -> None:
     complex_ = []
-    for path in sorted([*PACKAGE.glob("*.py"), *(ROOT / "contrib").rglob("*.py")]):
+    for path in [*modules(), *sorted((ROOT / "contrib").rglob("*.py"))]:
         for block in cc_visit(path.read_text()):
             for fn in [block, *getattr(block, "methods", [])]:
                 if fn.complexity >= MAX_COMPLEXITY:
                     complex_.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}: {fn.complexity}")
+    for path in sorted((ROOT / "native").glob("*.[ch]")):  # the native engine, by lizard's count
+        for fn in lizard.analyze_file(str(path)).function_list:
+            if fn.cyclomatic_complexity >= MAX_COMPLEXITY:
+                complex_.append(
+                    f"{path.relative_to(ROOT)}:{fn.start_line} {fn.name}: {fn.cyclomatic_complexity}"
+                )
     assert not complex_, f"complexity {MAX_COMPLEXITY} or more:\n" + "\n".join(sorted(set(complex_)))
 
 
@@ -100,7 +119,7 @@ def test_commands_without_a_mount_import_no_fuse() -> None:
 def test_mounting_imports_none_of_the_mirror_tools() -> None:
     """A mount reads the receipt (colifs.receipt) but never loads plan, stage or verify."""
     code = (
-        "import sys, colifs.mount, colifs.assemble, colifs.native, colifs.pyfuse3_engine; "
+        "import sys, colifs.mount, colifs.assemble, colifs.native, colifs.pyfuse3.engine; "
         "print(sorted(m for m in ('colifs.plan', 'colifs.stage', 'colifs.verify', 'colifs.progress') "
         "if m in sys.modules))"
     )
@@ -108,9 +127,41 @@ def test_mounting_imports_none_of_the_mirror_tools() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def imported(path: Path) -> set[str]:
+    """The colifs modules `path` imports (at any depth of its code)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("colifs")}
+
+
+def test_neither_engine_imports_the_other_and_the_mirror_policy_neither() -> None:
+    """What both engines use lives in neutral modules (backing, mirrors, namespace, ...)."""
+    native = {"colifs.native", "colifs._native"}
+    found = []
+    for path in modules():
+        uses = imported(path)
+        if name(path).startswith("pyfuse3/") and uses & native:
+            found.append(f"{name(path)} imports the native engine: {sorted(uses & native)}")
+        if name(path) in ("native.py", "mirrors.py") and any(m.startswith("colifs.pyfuse3") for m in uses):
+            found.append(f"{name(path)} imports the pyfuse3 engine")
+        if name(path) == "mirrors.py" and uses & native:
+            found.append("mirrors.py imports the native engine")
+    assert not found, "\n".join(found)
+
+
+def _docstring_only(path: Path) -> bool:
+    """A package's `__init__.py` that only says what the package is."""
+    return len(ast.parse(path.read_text()).body) <= 1
+
+
 def test_the_readme_module_table_names_every_module() -> None:
     readme = (ROOT / "README.md").read_text()
     section = readme.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"`(?:colifs/)?(\w+\.py)`", section))
-    modules = {p.name for p in PACKAGE.glob("*.py")} - {"__init__.py", "__main__.py"}
-    assert modules <= listed, f"not in the README's module table: {sorted(modules - listed)}"
+    listed = set(re.findall(r"`(?:colifs/)?((?:\w+/)?\w+\.py)`", section))
+    every = {name(p) for p in modules() if not _docstring_only(p)} - {"__init__.py", "__main__.py"}
+    assert every <= listed, f"not in the README's module table: {sorted(every - listed)}"

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from colifs.balance import FLOOR, TICK, Balancer, shares, with_floor
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from colifs.routing import pick, positions
 
 

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from colifs.catalogue import validate
 from colifs.formats import format_of
-from colifs.layout import DENSE_LAYER, DISAGREED, ExpertConfig, ExpertKey, Layout
-from colifs.moe import CONFIG_NAME, Configs, expert_count, moe_layers
-from colifs.replicas import Replica, validate
+from colifs.formats.layout import DENSE_LAYER, DISAGREED, ExpertConfig, ExpertKey, Layout
+from colifs.formats.moe import CONFIG_NAME, Configs, expert_count, moe_layers
+from colifs.replicas import Replica
 from colifs.routing import pick, positions
 from tests.helpers import ROOT
 
@@ -222,7 +223,7 @@ def test_the_nearest_config_decides(tmp_path: Path) -> None:
 def quantized(fixture: dict, rename: dict[str, list[tuple[str, str, list[int]]]]) -> dict:
     """The fixture with tensors replaced as a quantised checkpoint stores them: each name matching
     a pattern of `rename` becomes the (suffix, dtype, shape) tensors given; offsets laid out anew."""
-    from colifs.layout import DTYPE_BITS
+    from colifs.formats.safetensors import DTYPE_BITS
 
     files = {}
     for fname, f in fixture["files"].items():

@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colifs.gguf import parse_gguf, read_gguf_header
-from colifs.layout import DISAGREED, FUSED_CONFIG, ExpertKey, LayoutError
+from colifs.formats.gguf import parse_gguf, read_gguf_header
+from colifs.formats.layout import DISAGREED, FUSED_CONFIG, ExpertKey, LayoutError
 from colifs.synth import GGUF_ARCHS, write_gguf
 
 

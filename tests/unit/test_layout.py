@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save
 
-from colifs.layout import HEADER, ExpertKey, LayoutError, parse_header, tensor_key
+from colifs.formats.experts import tensor_key
+from colifs.formats.layout import HEADER, ExpertKey, LayoutError
+from colifs.formats.safetensors import parse_header
 
 
 def header_of(blob: bytes) -> bytes:
@@ -234,7 +236,8 @@ _PARTS = [
 @given(st.lists(st.sampled_from(_PARTS), min_size=1, max_size=9), st.sampled_from(["", ".", "x."]))
 def test_tensor_key_is_exactly_the_reference_regex(parts: list[str], prefix: str) -> None:
     """The fast split-based tensor_key agrees with the regex it replaced, on odd names too."""
-    from colifs.layout import _PER_EXPERT, ExpertKey, tensor_key
+    from colifs.formats.experts import _PER_EXPERT, tensor_key
+    from colifs.formats.layout import ExpertKey
 
     name = prefix + ".".join(parts)
     m = _PER_EXPERT.match(name)
@@ -244,7 +247,7 @@ def test_tensor_key_is_exactly_the_reference_regex(parts: list[str], prefix: str
 
 def test_key_sizes_of_a_file_without_tensors() -> None:
     """A valid zero-tensor file (it crashed the mount once, and key_sizes once more)."""
-    from colifs.layout import parse_header
+    from colifs.formats.safetensors import parse_header
     from colifs.usage import key_sizes
 
     text = json.dumps({"__metadata__": {"a": "b"}}).encode()
@@ -263,7 +266,8 @@ _FEW = ["m", "1", "17", "experts", "", "a\nb", "٣"]  # dense in what makes an e
 def test_names_sharing_a_prefix_key_as_the_regex_does(prefix: list[str], rests: list[list[str]]) -> None:
     """Names that share what comes before their last `.experts.N.` (worked out once, then reused)
     still key exactly as the regex does, whatever follows."""
-    from colifs.layout import _PER_EXPERT, ExpertKey, tensor_key
+    from colifs.formats.experts import _PER_EXPERT, tensor_key
+    from colifs.formats.layout import ExpertKey
 
     for n, rest in enumerate(rests):
         name = ".".join([*prefix, "experts", str(n * 7), *rest])

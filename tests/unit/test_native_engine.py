@@ -1,11 +1,17 @@
-"""The native engine's Python type when its construction fails: nothing it did not take is
-released, and closing it is harmless (colifs._native.Engine, native/module.c). Each case runs in
-a child process: on a regression it would end the interpreter, not fail an assertion."""
+"""The native engine's Python type (colifs._native.Engine, native/module.c): its contract with
+Python checked field by field (the counters' layout, node kinds, routing constants); a failed
+construction releases nothing it did not take and closing it is harmless; it is collected with the
+object that holds it. Cases that could end the interpreter run in a child process."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+import pytest
+
+from colifs import _native
+from colifs.native import EXTENT_BUFFER, PASSTHROUGH
 
 BAD_ENGINE = """
 import gc, sys
@@ -58,28 +64,64 @@ def test_closing_an_engine_that_never_initialised_is_harmless() -> None:
 
 def test_an_engine_and_the_python_object_that_holds_it_are_collected(tmp_path) -> None:
     """The engine's callbacks are bound methods of the NativeEngine that holds it: a cycle the
-    garbage collector must see through (the Engine type takes part in it), once it is closed."""
+    garbage collector must see through (the Engine type takes part in it). Once closed, or never
+    mounted (no thread of its own yet), both go; none is left behind, not even an emptied one."""
     done = run(
         f"""
-import gc, weakref
+import gc, os
 from colifs.assemble import assemble
 from colifs.config import MountConfig
+from colifs.native import NativeEngine
 from colifs.synth import write_checkpoint
 
-import os
 os.mkdir(f"{tmp_path}/mnt")
 for d in ("p", "m"):
     write_checkpoint(f"{tmp_path}/{{d}}", "deepseek", layers=2, experts=4, hidden=64, inter=64, shards=2)
 cfg = MountConfig(primary={str(tmp_path / "p")!r}, mirrors=[{str(tmp_path / "m")!r}],
                   mountpoint={str(tmp_path / "mnt")!r}, weights=[1.0, 1.0], probe_seconds=0, engine="native")
-asm = assemble(cfg)
-assert gc.is_tracked(asm.engine.engine)
-asm.engine.close()
-held = weakref.ref(asm.engine)
-del asm
+closed, unmounted = assemble(cfg), assemble(cfg)
+assert gc.is_tracked(closed.engine.engine)
+closed.engine.close()
+del closed, unmounted
 gc.collect()
-print("collected" if held() is None else "kept")
+print(sum(1 for o in gc.get_objects() if type(o) is NativeEngine))
 """
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip() == "collected"
+    assert done.stdout.strip() == "0"
+
+
+# What Python reads of the counters' memory: each field's words for (nrep, nkeys, nfiles).
+COUNTER_FIELDS = {
+    "drive_bytes": lambda r, k, f: r,
+    "drive_reads": lambda r, k, f: r,
+    "drive_errors": lambda r, k, f: r,
+    "drive_busy": lambda r, k, f: r,
+    "drive_ok": lambda r, k, f: r,
+    "drive_busy_ns": lambda r, k, f: r,
+    "drive_spilled": lambda r, k, f: r,
+    "fallbacks": lambda r, k, f: 2,  # fallbacks, late reads skipped
+    "stretch": lambda r, k, f: len(EXTENT_BUFFER),
+    "passthrough": lambda r, k, f: len(PASSTHROUGH),
+    "key_bytes": lambda r, k, f: k * r,
+    "key_reads": lambda r, k, f: k,
+    "file_bytes": lambda r, k, f: f,
+    "file_reads": lambda r, k, f: f,
+}
+
+
+@pytest.mark.parametrize(("nrep", "nkeys", "nfiles"), [(1, 0, 0), (2, 5, 3), (8, 1000, 163)])
+def test_the_counter_layout_is_what_python_reads_field_by_field(nrep: int, nkeys: int, nfiles: int) -> None:
+    layout = _native.counter_layout(nrep, nkeys, nfiles)
+    assert [name for name, _ in layout] == list(COUNTER_FIELDS)  # every field, in the engine's order
+    for name, words in layout:
+        assert words == COUNTER_FIELDS[name](nrep, nkeys, nfiles), name
+
+
+def test_the_constants_python_uses_are_the_engines() -> None:
+    from colifs.routing import CHUNK, NOT_STRIPED, STRIPE_SLOTS
+
+    assert (_native.STRIPE_SLOTS, _native.NOT_STRIPED, _native.CHUNK) == (STRIPE_SLOTS, NOT_STRIPED, CHUNK)
+    kinds = set(_native.NODE_KINDS)
+    assert kinds == {"dir", "reg", "lnk", "control_dir", "control_file"}  # what _namespace_tables sends
+    assert len(set(_native.NODE_KINDS.values())) == len(kinds)

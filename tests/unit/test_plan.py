@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colifs.layout import Layout
-from colifs.plan import Shard, choose, parse_size
+from colifs.formats.layout import Layout
+from colifs.plan import Shard, choose
+from colifs.units import parse_size
 
 LAYOUT = Layout(8, 16, (8,), ("t",))  # any layout: choose only asks whether there is one
 

@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colifs.catalogue import build_files
+from colifs.catalogue import ServedFile, build_files
+from colifs.formats.layout import HEADER, ExpertKey, Layout
 from colifs.health import Health
-from colifs.layout import HEADER, ExpertKey, Layout
 from colifs.readplan import (
     PLAIN,
     Router,
@@ -28,7 +28,7 @@ from colifs.readplan import (
     table_drive,
     usable_weights,
 )
-from colifs.replicas import Replica, ServedFile
+from colifs.replicas import Replica
 from colifs.routing import CHUNK
 from colifs.synth import write_checkpoint, write_gguf
 from colifs.tree import Tree

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from colifs.routing import digest, parse_weights, pick, positions, stripe_rotation, stripe_sequence
 
 
@@ -28,7 +28,7 @@ def test_same_routing_in_a_fresh_interpreter_with_another_hash_seed() -> None:
     keys = [*experts(2, 8), "a", "b", "lm_head.weight"]
     here = [pick(u, [3, 1]) for u in (positions(keys)[k] for k in keys)]
     code = (
-        "from colifs.routing import positions, pick; from colifs.layout import ExpertKey;"
+        "from colifs.routing import positions, pick; from colifs.formats.layout import ExpertKey;"
         "keys=[ExpertKey('model.layers', L, e) for L in range(2) for e in range(8)]"
         "+['a','b','lm_head.weight'];"
         "p=positions(keys); print([pick(p[k],[3,1]) for k in keys])"

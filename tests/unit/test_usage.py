@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from colifs.usage import USAGE_NAME, BadUsageFile, Usage, load, read_coli_usage, save
 
 

@@ -12,8 +12,9 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colifs.gguf import gguf_tensor_spans, read_gguf_header
-from colifs.layout import ExpertConfig, Layout, LayoutError, header_length, parse_header, tensor_spans
+from colifs.formats.gguf import gguf_tensor_spans, read_gguf_header
+from colifs.formats.layout import ExpertConfig, Layout, LayoutError
+from colifs.formats.safetensors import header_length, parse_header, tensor_spans
 
 GGUF_MAGIC = b"GGUF"
 MAX_SAFETENSORS_HEADER = 100 << 20  # what the safetensors library itself accepts
@@ -56,7 +57,7 @@ class Format:
 
     def read(self, path: str, experts: ExpertConfig | None = None) -> Header:
         """(size, header bytes, layout) of the file at `path`, its fused experts cut as its config
-        says (`experts`, colifs.moe); LayoutError or OSError if bad."""
+        says (`experts`, colifs.formats.moe); LayoutError or OSError if bad."""
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size

@@ -13,17 +13,10 @@ from __future__ import annotations
 
 import mmap
 
-BLOCK = 4096  # O_DIRECT alignment that is safe on every filesystem here
+from colifs.backing import BLOCK, align_up
+
 REQUEST = 1 << 20  # the largest FUSE read request (libfuse 3.14 negotiates max_pages=256)
 BUFFER = REQUEST + 2 * BLOCK  # a request rounded out to BLOCK at both ends
-
-
-def align_down(n: int) -> int:
-    return n & ~(BLOCK - 1)
-
-
-def align_up(n: int) -> int:
-    return (n + BLOCK - 1) & ~(BLOCK - 1)
 
 
 class BufferPool:

@@ -15,8 +15,7 @@ import os
 import time
 from typing import Literal
 
-from colifs.backing import OsIO
-from colifs.buffers import align_down
+from colifs.backing import OsIO, align_down
 
 Fault = Literal["eio", "short", "open", "hang"] | None
 

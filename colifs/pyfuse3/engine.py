@@ -7,9 +7,9 @@ from collections.abc import Sequence
 
 import pyfuse3
 
-from colifs.fs import ColiFS
-from colifs.reader import Reader
-from colifs.workers import DriveWorkers
+from colifs.pyfuse3.fs import ColiFS
+from colifs.pyfuse3.reader import Reader
+from colifs.pyfuse3.workers import DriveWorkers
 
 # Requests the daemon takes off /dev/fuse at once. A request waiting for its drive holds one (a
 # coroutine, cheap); with too few, one slow drive's backlog would hold them all and starve the

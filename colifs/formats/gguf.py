@@ -19,17 +19,17 @@ import re
 import struct
 from collections.abc import Callable
 
-from colifs.layout import (
+from colifs.formats.layout import (
     BY_NAME,
     DISAGREED,
     FUSED_CONFIG,
     FUSED_SHAPE,
-    MAX_HEADER,
     ExpertKey,
     Key,
     Layout,
     LayoutError,
 )
+from colifs.formats.safetensors import MAX_HEADER
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

@@ -1,8 +1,8 @@
 """What a model's own config says about its routed experts: how many, and in which layers.
 
 A fused expert tensor is cut into one slice per expert only when its shape agrees with this count
-(colifs.layout); without a config the count is taken from the shapes, more carefully. GGUF files
-carry the count in their own metadata (`<arch>.expert_count`, colifs.gguf).
+(colifs.formats.experts); without a config the count is taken from the shapes, more carefully. GGUF files
+carry the count in their own metadata (`<arch>.expert_count`, colifs.formats.gguf).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Mapping
 
 from colifs import jsonin
-from colifs.layout import ExpertConfig
+from colifs.formats.layout import ExpertConfig
 
 log = logging.getLogger("colifs")
 

@@ -15,10 +15,10 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
+from colifs.backing import BLOCK
 from colifs.boundary import request_errno
-from colifs.buffers import BLOCK
 from colifs.namespace import CONTROL_DIR, STATS_INO, STATS_JSON_INO, Attr, Namespace
-from colifs.reader import OpenFile, Reader
+from colifs.pyfuse3.reader import OpenFile, Reader
 
 __all__ = ["CONTROL_DIR", "STATS_INO", "ColiFS"]
 

@@ -19,17 +19,28 @@ from dataclasses import dataclass, field
 import outcome
 import trio
 
-from colifs.backing import BackingIO, Changed, check_read, check_unchanged, open_checked
-from colifs.buffers import BLOCK, BufferPool, align_down, align_up
+from colifs.backing import (
+    BLOCK,
+    BackingIO,
+    Changed,
+    TimedOut,
+    align_down,
+    align_up,
+    check_read,
+    check_unchanged,
+    open_checked,
+)
+from colifs.catalogue import ServedFile
+from colifs.formats.layout import ExpertKey
 from colifs.health import Health
-from colifs.layout import ExpertKey
 from colifs.logs import WarnOnce
 from colifs.mirrors import MirrorPolicy, describe
+from colifs.pyfuse3.buffers import BufferPool
+from colifs.pyfuse3.workers import DriveWorkers, gather
 from colifs.readplan import Piece, Router, merge, pieces, usable_weights
 from colifs.recorder import Tally
-from colifs.replicas import Identity, Replica, ServedFile
+from colifs.replicas import Identity, Replica
 from colifs.stats import Stats
-from colifs.workers import DriveWorkers, TimedOut, gather
 
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)  # an open that fails so says nothing of the mirror
 

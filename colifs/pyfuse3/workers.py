@@ -20,6 +20,8 @@ from typing import Any
 import outcome
 import trio
 
+from colifs.backing import TimedOut
+
 Call = tuple["DriveWorkers", Callable[..., Any], tuple[Any, ...]]
 _Job = tuple[Callable[..., Any], tuple[Any, ...], Callable[[outcome.Outcome], None]]
 
@@ -113,10 +115,6 @@ class DriveWorkers:
 
 def _nobody(_: outcome.Outcome) -> None:
     """Where the outcome of a forgotten call goes."""
-
-
-class TimedOut(Exception):
-    """A drive did not answer within its timeout."""
 
 
 async def gather(

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from colifs.bench import _Chooser, find_experts
-from colifs.layout import ExpertKey
+from colifs.formats.layout import ExpertKey
 from colifs.synth import write_checkpoint
 
 

@@ -1,0 +1,70 @@
+"""The startup probe (`colifs probe` and the mount's own) and the kernel knobs a mount sets."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.helpers import (
+    mounted,
+    refuse,
+    run_colifs,
+)
+
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
+
+def test_without_weights_the_mount_probes_each_drive(model) -> None:
+    """The suite's copies are directories on one filesystem: probed one at a time, each measured
+    the whole drive, so they share its figure (one warning), and the weights split it evenly."""
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--probe-seconds", "0.5") as m:
+        st = m.stats()
+        assert st["weights_source"] == "probed"
+        assert [p["path"] for p in st["probe"]] == [str(primary), str(mirror)]
+        rates = [p["mb_per_s"] for p in st["probe"]]
+        assert all(r > 0 for r in rates)
+        half = float(f"{max(rates) / 2:.3g}")
+        assert [r["weight"] for r in st["replicas"]] == [half, half]
+        assert "probe: suggested: --weights" in m.stderr
+        assert m.stderr.count("are on one drive") == 1, m.stderr
+
+
+def test_no_probe_means_equal_weights(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--no-probe") as m:
+        st = m.stats()
+        assert st["weights_source"] == "default (equal)" and st["probe"] == []
+        assert [r["weight"] for r in st["replicas"]] == [1.0, 1.0]
+
+
+def test_probe_command_prints_a_table_and_suggested_weights(model) -> None:
+    primary, mirror, _ = model
+    out = run_colifs("probe", str(primary), str(mirror), "--seconds", "0.3")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["replica", "path", "MB/s"]
+    assert lines[1].startswith("primary") and lines[2].startswith("mirror")
+    assert lines[1].endswith("one drive with mirror 1") and lines[2].endswith("one drive with the primary")
+    assert lines[3].startswith("suggested: --weights ")
+    a, b = lines[3].split()[-1].split(",")
+    assert a == b, lines  # one drive: its figure split evenly
+    assert "are on one drive" in out.stderr
+    refuse(["probe", str(primary / "nope")], 2, "does not exist")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sysfs knobs need root")
+def test_kernel_knobs_are_set_and_reported(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(
+        primary, [mirror], mnt, "--no-probe", "--readahead-kb", "1024", "--max-background", "32"
+    ) as m:
+        assert m.stats()["kernel"] == {
+            "read_ahead_kb": 1024,
+            "max_background": 32,
+            "congestion_threshold": 24,
+        }
+    with mounted(primary, [mirror], mnt, "--no-probe", "--readahead-kb", "0", "--max-background", "0") as m:
+        kernel = m.stats()["kernel"]
+        assert kernel["read_ahead_kb"] not in (None, 1024, 4096) and kernel["max_background"] == 12
