@@ -153,8 +153,13 @@ class _Parts:
     def replicas(self) -> list[Replica]:
         return self.routing.replicas
 
-    def _adaptive(self, activity: Callable[[], tuple], apply: Callable[[list[float]], None]) -> Adaptive:
-        return Adaptive(self.balancer, activity, self.routing.held, apply)
+    def _adaptive(
+        self,
+        activity: Callable[[], tuple],
+        apply: Callable[[list[float]], None],
+        measured: Callable[[list[float | None]], None] | None = None,
+    ) -> Adaptive:
+        return Adaptive(self.balancer, activity, self.routing.held, apply, measured)
 
     def _stats(
         self,
@@ -224,5 +229,5 @@ class _Parts:
             passthrough=cfg.passthrough,
             queue_routing=cfg.routing == "queue",
         )
-        adaptive = self._adaptive(counters.activity, engine.set_weights)
+        adaptive = self._adaptive(counters.activity, engine.set_weights, engine.set_speeds)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)

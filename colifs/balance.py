@@ -42,6 +42,7 @@ SATURATED = 0.80  # utilization from which a drive's rate is what it can deliver
 STEP, STEP_MIN, STEP_MAX = 0.10, 0.01, 0.15  # share moved per decision while utilizations differ
 HALF_LIFE = 2.0  # s: the smoothing of the rates shown
 MIN_BUSY = 0.02  # s a drive must have been busy in a window for its rate to count
+PENDING = 5.0  # s over which a barely busy drive's bytes and busy time add up, at most
 FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence (colifs.routing)
 DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' are left alone
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
@@ -127,9 +128,11 @@ class Balancer:
     _direction: tuple[int, int] | None = None  # (from, to) of the step being decided, if a step
     _trial: Trial | None = None  # the last change, until the first window after it judges it
     _held: dict[tuple[int, int], float] = field(default_factory=dict)  # direction -> not before
+    _pending: list[tuple[int, float, float]] = field(default_factory=list)  # per drive: bytes, busy, since
 
     def __post_init__(self) -> None:
         self.rates = [None] * len(self.weights)
+        self._pending = [(0, 0.0, 0.0)] * len(self.weights)
         self.utilization = [0.0] * len(self.weights)
         now = [round(x, 4) for x in shares(self.weights)]
         # The same shape before the first change as after: stats.json barely grows while serving.
@@ -152,7 +155,7 @@ class Balancer:
             [b - a for a, b in zip(b0, nbytes, strict=True)],
             [b - a for a, b in zip(s0, busy, strict=True)],
         )
-        self._measured(w)
+        self._measured(w, now)
         if self.fixed:
             return None
         undone = self._judge_trial(w, now)
@@ -191,13 +194,26 @@ class Balancer:
                       f"{trial.throughput / 1e6:.0f} before")  # fmt: skip
         return self.weights
 
-    def _measured(self, w: Window) -> None:
+    def _measured(self, w: Window, now: float) -> None:
+        """Each drive's rate, smoothed. A drive busy less than MIN_BUSY in a window (a fast drive
+        waiting for a slow one) adds up its windows, over PENDING s at most, until it was: it is
+        measured too, a little later. Windows in which it delivered nothing (idle, or failing) do
+        not count."""
         self.utilization = w.utilization
-        keep = 0.5 ** (w.seconds / HALF_LIFE)
         for d in range(len(self.rates)):
-            sample, old = w.rate(d), self.rates[d]
-            if sample is not None:
-                self.rates[d] = sample if old is None else keep * old + (1 - keep) * sample
+            if not w.nbytes[d]:
+                continue
+            nbytes, busy, since = self._pending[d]
+            if not nbytes or now - since > PENDING:  # nothing pending, or too old to say much now
+                nbytes, busy, since = 0, 0.0, now - w.seconds
+            nbytes, busy = nbytes + w.nbytes[d], busy + w.busy[d]
+            if busy < MIN_BUSY:
+                self._pending[d] = (nbytes, busy, since)
+                continue
+            self._pending[d] = (0, 0.0, 0.0)
+            keep = 0.5 ** ((now - since) / HALF_LIFE)
+            old = self.rates[d]
+            self.rates[d] = nbytes / busy if old is None else keep * old + (1 - keep) * nbytes / busy
 
     def _target(self, w: Window, now: float) -> list[float] | None:
         """The shares the window asks for, or None (nothing to learn, or right as they are)."""
@@ -298,7 +314,8 @@ class Balancer:
 class Adaptive:
     """Runs a `Balancer` for a mount: reads the engine's counters every TICK and, when the weights
     change, gives the routing its new weights (`apply`, with the partial-mirror correction done by
-    `held`)."""
+    `held`); `measured`, if given, gets each drive's measured rate every tick (the native engine's
+    queue routing compares backlogs by them)."""
 
     def __init__(
         self,
@@ -306,16 +323,20 @@ class Adaptive:
         activity: Callable[[], tuple[Sequence[int], Sequence[float]]],
         held: Callable[[list[float]], list[float]],
         apply: Callable[[list[float]], None],
+        measured: Callable[[list[float | None]], None] | None = None,
     ) -> None:
         self.balancer = balancer
         self._activity = activity
         self._held = held
         self._apply = apply
+        self._measured = measured
 
     def tick(self, now: float) -> None:
         weights = self.balancer.observe(*self._activity(), now)
         if weights is not None:
             self._apply(self._held(weights))
+        if self._measured is not None:
+            self._measured(list(self.balancer.rates))
 
     async def run(self) -> None:
         """For the life of the mount."""

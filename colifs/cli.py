@@ -50,6 +50,12 @@ def parser() -> argparse.ArgumentParser:
         help="let the weights follow what each drive delivers now (experimental; default: they stay as "
         "mounted)",
     )
+    m.add_argument(
+        "--fixed-weights",
+        action="store_true",
+        help="keep the split in the weights given or probed at mount, whatever the drives do while "
+        "serving: no spill of a drive's backlog (--routing stripe), no adaptive weights",
+    )
     m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     m.add_argument(
         "--allow-other",

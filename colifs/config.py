@@ -93,7 +93,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         adaptive_weights=args.adaptive_weights,
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
-        routing=args.routing or DEFAULT_ROUTING[args.engine],
+        routing=args.routing or ("stripe" if args.fixed_weights else DEFAULT_ROUTING[args.engine]),
         extent_buffer_mib=args.extent_buffer_mib,
         passthrough=args.passthrough,
         store_roots=args.store_root,
@@ -124,12 +124,21 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for value in (args.readahead_kb, args.max_background):
         if value is not None and value < 0:
             raise UsageError("--readahead-kb and --max-background must be 0 or more")
+    if not 0 <= args.extent_buffer_mib <= MAX_EXTENT_BUFFER_MIB:
+        raise UsageError(f"--extent-buffer-mib must be 0 to {MAX_EXTENT_BUFFER_MIB} (MiB)")
+    _check_choices(args)
+
+
+def _check_choices(args: argparse.Namespace) -> None:
+    """Flags that do not go together."""
+    if args.fixed_weights and (args.routing == "queue" or args.adaptive_weights):
+        raise UsageError(
+            "--fixed-weights keeps the split as mounted: no --routing queue, no --adaptive-weights"
+        )
     if args.routing == "queue" and args.engine != "native":
         raise UsageError("--routing queue needs the native engine (--engine native)")
     if args.passthrough and args.engine != "native":
         raise UsageError("--passthrough needs the native engine (--engine native)")
-    if not 0 <= args.extent_buffer_mib <= MAX_EXTENT_BUFFER_MIB:
-        raise UsageError(f"--extent-buffer-mib must be 0 to {MAX_EXTENT_BUFFER_MIB} (MiB)")
 
 
 def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:

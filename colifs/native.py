@@ -368,6 +368,10 @@ class NativeEngine:
         self.router.weights[:] = weights
         self.engine.set_routes(route_columns(weights))
 
+    def set_speeds(self, rates: list[float | None]) -> None:
+        """Each drive's measured bytes/s (None: not measured yet), for --routing queue."""
+        self.engine.set_speeds([round(r) if r else 0 for r in rates])
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     def mount(self) -> None:

@@ -539,32 +539,50 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
 }
 
 /* --routing queue: the routes' drive d for a piece of `len` bytes, unless d has a backlog (at least
- * SPILL_MIN bytes queued) and another drive would have read the piece SPILL_RATIO times sooner
- * (the fewest bytes queued per unit of the column's weight, the piece included). Below that the
- * routes decide: a page-cache reader's one or two requests in flight (readahead hides a slow
- * drive's latency there) get both drives in the weights' ratio, as without this; a backlog (a
- * drive slower than its weight, many readers) spills to the drive that has room. `extra`: the
- * request's own pieces planned so far (not queued yet). Approximate by design: requests planned
- * at the same moment see the same queues, and a column's weights include the partial-mirror
- * correction (colifs.routing.balanced_weights), so they stand for the drives' speeds only
- * roughly there. */
+ * SPILL_MIN bytes queued) and another drive would have read the piece SPILL_RATIO times sooner:
+ * the fewest bytes queued per byte per second the drive delivered lately (its measured speed,
+ * colifs.balance), or, until every drive the column allows was measured, per unit of the column's
+ * weight. Below that the routes decide: a page-cache reader's one or two requests in flight
+ * (readahead hides a slow drive's latency there) get both drives in the weights' ratio, as
+ * without this; a backlog (a drive slower than its weight, many readers, or one reader's many
+ * requests when the weights are wrong) spills to the drive that has room. `extra`: the request's
+ * own pieces planned so far (not queued yet). Approximate by design: requests planned at the same
+ * moment see the same queues, and a lightly used drive's measured speed runs high (which only
+ * makes it take a backlog sooner). */
 #define SPILL_MIN (2u << 20)
 #define SPILL_RATIO 2.0
-static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, uint64_t len, int d) {
-    uint64_t queued[MAX_REPLICAS], share[MAX_REPLICAS], prev = 0;
+
+/* Per drive, what a queued byte is divided by to compare drives: their speeds once every drive the
+ * column gives a share was measured, else their shares; 0 for a drive the column gives nothing. */
+static void pace(engine_t *e, const routes_now_t *r, uint64_t *per) {
+    uint64_t share[MAX_REPLICAS] = {0}, prev = 0;
+    int measured = 1;
     for (int x = 0; x < e->nrep; x++) {
-        share[x] = r->bound[x] - prev;
+        share[x] = (r->allowed >> x) & 1 ? r->bound[x] - prev : 0;
         prev = r->bound[x];
-        queued[x] = atomic_load_explicit(&e->queued[x], memory_order_relaxed) + extra[x];
+        per[x] = atomic_load_explicit(&e->speed[x], memory_order_relaxed);
+        measured &= per[x] > 0 || !share[x];
     }
-    if (queued[d] < SPILL_MIN || !share[d])
+    for (int x = 0; x < e->nrep; x++)
+        if (!measured || !share[x])
+            per[x] = share[x];
+}
+
+static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, uint64_t len, int d) {
+    uint64_t queued[MAX_REPLICAS] = {0}, per[MAX_REPLICAS] = {0};
+    for (int x = 0; x < e->nrep; x++)
+        queued[x] = atomic_load_explicit(&e->queued[x], memory_order_relaxed) + extra[x];
+    if (queued[d] < SPILL_MIN)
+        return d;
+    pace(e, r, per);
+    if (!per[d])
         return d;
     int best = d;
-    double own = (double)(queued[d] + len) / (double)share[d], best_cost = own;
+    double own = (double)(queued[d] + len) / (double)per[d], best_cost = own;
     for (int x = 0; x < e->nrep; x++) {
-        if (x == d || !((r->allowed >> x) & 1) || !share[x])
+        if (x == d || !((r->allowed >> x) & 1) || !per[x])
             continue;
-        double cost = (double)(queued[x] + len) / (double)share[x];
+        double cost = (double)(queued[x] + len) / (double)per[x];
         if (cost < best_cost)
             best = x, best_cost = cost;
     }

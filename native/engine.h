@@ -203,6 +203,7 @@ typedef struct engine {
     int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */
     int queue_routing;         /* each piece to the drive that reads it first (drives.c quickest) */
     _Atomic uint64_t queued[MAX_REPLICAS]; /* bytes handed to each drive and not read yet */
+    _Atomic uint64_t speed[MAX_REPLICAS];  /* bytes/s each drive delivered lately (Python measures; 0: not known) */
     _Atomic uint64_t pt_init_unique; /* the INIT request, if it offered passthrough */
     _Atomic int pt_refused;    /* the kernel refused a backing file: never asked again */
 

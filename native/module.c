@@ -635,6 +635,28 @@ static PyObject *Engine_set_routes(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_set_speeds(EngineObject *self, PyObject *args) {
+    PyObject *seq;
+    if (!PyArg_ParseTuple(args, "O", &seq))
+        return NULL;
+    Py_ssize_t n = PySequence_Size(seq);
+    if (!self->e.nrep || n != self->e.nrep) {
+        PyErr_SetString(PyExc_ValueError, "speeds: one per replica (bytes/s, 0: not known)");
+        return NULL;
+    }
+    uint64_t speed[MAX_REPLICAS];
+    for (Py_ssize_t d = 0; d < n; d++) { /* every one checked before any is stored */
+        PyObject *v = PySequence_GetItem(seq, d);
+        speed[d] = v ? PyLong_AsUnsignedLongLong(v) : 0;
+        Py_XDECREF(v);
+        if (PyErr_Occurred())
+            return NULL;
+    }
+    for (Py_ssize_t d = 0; d < n; d++)
+        atomic_store_explicit(&self->e.speed[d], speed[d], memory_order_relaxed);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_set_memory_short(EngineObject *self, PyObject *args) {
     int is_short;
     if (!PyArg_ParseTuple(args, "p", &is_short))
@@ -737,6 +759,8 @@ static PyMethodDef Engine_methods[] = {
     {"loop", (PyCFunction)Engine_loop, METH_NOARGS, "Serve until unmounted or stopped (releases the GIL)."},
     {"stop", (PyCFunction)Engine_stop, METH_NOARGS, "Make loop() return (from any thread)."},
     {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
+    {"set_speeds", (PyCFunction)Engine_set_speeds, METH_VARARGS,
+     "set_speeds(speeds): bytes/s each drive delivered lately (0: not known), for --routing queue."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,

@@ -339,7 +339,8 @@ def adapt_study(
     args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
 ) -> None:
     """Routing that follows the drives: right weights, wrong weights, then the mirror slowed to a
-    quarter and (separately) the primary to a third while mounted, for each mode of --adapt-modes
+    quarter and (separately) the primary to a third while mounted, then another process reading
+    the mirror's drive flat out, for each mode of --adapt-modes
     (--routing stripe with fixed weights, the same with --adaptive-weights, --routing queue). Each
     colifs phase runs after WARM s of the same load on the same mount (what the routing had to
     follow), beside the drives read directly at the same throttles."""
@@ -386,7 +387,32 @@ def adapt_study(
         phase(f"{key}_sum", f"both directly, {what}", [a, b], "--weights", f"{fast:g},{slow:g}")
         phase(f"{key}_alone", f"faster drive alone, {what}", [a if fast >= slow else b])
     rig.throttle(f, s)
+    what = "another process reading the mirror's drive"
+    for mode in modes:
+        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *MODES[mode]), competing(b):
+            warmed(f"sh_{mode}", f"colifs {mode}, {what}")
+    with competing(b):  # what the drives have left: each read alone beside the other process
+        phase("sh_fast", f"fast drive alone, {what}", [a])
+        phase("sh_slow", f"slow drive alone, {what}", [b])
+    res["sh_sum"] = {"label": "what the drives have left", "gb_per_s": res["sh_fast"]["gb_per_s"]
+                     + res["sh_slow"]["gb_per_s"]}  # fmt: skip
     _print_adapt(args, res, modes)
+
+
+@contextlib.contextmanager
+def competing(model: Path) -> Iterator[None]:
+    """Another process reading the drive that holds `model` flat out (O_DIRECT, 4 MiB reads, its
+    files over and over), in the rig's cgroup: it shares that drive's throttle with colifs."""
+    loop = (
+        'while :; do for f in "$0"/*; do dd if="$f" of=/dev/null bs=4M iflag=direct status=none; done; done'
+    )
+    proc = subprocess.Popen(["sh", "-c", loop, str(model)], start_new_session=True)
+    try:
+        time.sleep(1)  # under way
+        yield
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def _print_adapt(args: argparse.Namespace, res: dict[str, dict], modes: list[str]) -> None:
@@ -407,6 +433,11 @@ def _print_adapt(args: argparse.Namespace, res: dict[str, dict], modes: list[str
                 (f"{key}_{mode}", f"{key}_sum", "the new sum"),
                 (f"{key}_{mode}", f"{key}_alone", "the faster drive alone"),
             ]
+    for mode in modes:
+        rows += [
+            (f"sh_{mode}", "sh_sum", "what the drives have left"),
+            (f"sh_{mode}", "sh_fast", "the faster drive alone"),
+        ]
     for key, ref, what in rows:
         got, base = res[key]["gb_per_s"] * 1e3, res[ref]["gb_per_s"] * 1e3
         bal = res[key].get("balance", {})

@@ -36,3 +36,12 @@ def test_native_only_flags_need_the_native_engine(tmp_path: Path, flags: tuple[s
     done = run_colifs("mount", str(tmp_path / "p"), str(tmp_path / "mnt"), "--engine", "pyfuse3", *flags)
     assert done.returncode == 2, done
     assert done.stderr.count("\n") == 1 and " ".join(flags) in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("flags", [("--routing", "queue"), ("--adaptive-weights",)])
+def test_fixed_weights_refuse_what_would_move_the_split(tmp_path: Path, flags: tuple[str, ...]) -> None:
+    (tmp_path / "p").mkdir()
+    (tmp_path / "mnt").mkdir()
+    done = run_colifs("mount", str(tmp_path / "p"), str(tmp_path / "mnt"), "--fixed-weights", *flags)
+    assert done.returncode == 2, done
+    assert done.stderr.count("\n") == 1 and "--fixed-weights" in done.stderr and flags[0] in done.stderr

@@ -587,6 +587,51 @@ def test_without_adaptive_weights_they_stay_as_mounted(tmp_path: Path) -> None:
         assert after["balance"]["measured_mb_per_s"][1] < 20  # still measured and shown
 
 
+def test_fixed_weights_keep_a_slow_mirrors_share(tmp_path: Path) -> None:
+    """--fixed-weights (fstab fixed_weights): the split stays as mounted whatever the drives do:
+    a slowed mirror keeps its half of the bytes (nothing spilled, no weight moved), every byte the
+    primary's. What the default routing does instead is the next test."""
+    with through_faultfs(tmp_path, "--fixed-weights") as (primary, mnt, control):
+        assert stats(mnt)["routing"] == "stripe"
+        control.write_text("slow 16")
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda _: read_all(mnt, primary), range(2)))
+        after = stats(mnt)
+        control.write_text("ok")
+        served = [r["bytes_served"] for r in after["replicas"]]
+        assert after["replicas"][1].get("bytes_spilled", 0) == 0 and after["balance"]["changes"] == 0
+        assert 0.3 < served[1] / sum(served) < 0.7, served  # about half, as the weights 1,1 say
+        assert after["fallbacks"] == 0
+
+
+def test_one_reader_with_wrong_weights_follows_the_measured_speeds(tmp_path: Path, engine: str) -> None:
+    """Weights 1,1, the mirror slowed to 8 MB/s, ONE O_DIRECT reader: its many requests in flight
+    queue on both drives alike, so only the drives' measured speeds (colifs.balance, every second)
+    tell the mirror's backlog from the primary's: once measured, the mirror's pieces go to the
+    primary (the queue routing before measured speeds kept the split at 1:1)."""
+    if engine == "pyfuse3":
+        pytest.skip("--routing queue is the native engine's")
+    with through_faultfs(tmp_path) as (primary, mnt, control):
+        control.write_text("slow 8")
+
+        def read_for(seconds: float) -> dict:
+            stop = time.monotonic() + seconds
+            while time.monotonic() < stop:
+                read_all(mnt, primary)
+            return stats(mnt)
+
+        before = read_for(3)  # the speeds are measured meanwhile
+        after = read_for(3)
+        served = [
+            a["bytes_served"] - b["bytes_served"]
+            for a, b in zip(after["replicas"], before["replicas"], strict=True)
+        ]
+        assert served[1] < 0.25 * sum(served), (served, after["balance"], after["replicas"])
+        assert after["replicas"][1]["bytes_spilled"] > before["replicas"][1]["bytes_spilled"]
+        assert after["fallbacks"] == 0 and after["balance"]["changes"] == 0  # the weights stayed 1,1
+        control.write_text("ok")
+
+
 def test_queue_routing_spills_a_slow_mirrors_backlog_to_the_primary(tmp_path: Path, engine: str) -> None:
     """--routing queue, weights 1,1, the mirror slowed to 4 MB/s and 8 O_DIRECT readers: the routes
     give the mirror half the bytes; the pieces queued behind its backlog go to the primary instead,

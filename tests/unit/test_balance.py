@@ -158,6 +158,28 @@ def test_fixed_weights_never_move_but_the_drives_are_measured() -> None:
     assert d["measured_mb_per_s"] == [60.0, 20.0] and d["utilization"][1] == 1.0 > d["utilization"][0]
 
 
+def test_a_drive_barely_busy_is_measured_over_several_windows() -> None:
+    """A fast drive waiting for a slow one is busy a few ms per window: too little for one window
+    to say its rate, but its windows add up (its rate is what the native engine's queue routing
+    compares backlogs by)."""
+    b = Balancer([1.0, 1.0], fixed=True)
+    for k in range(1, 6):  # the primary: 8 MB in 8 ms a second; the mirror: 8 MB in a whole second
+        b.observe([k * 8_000_000, k * 8_000_000], [k * 0.008, k * 1.0], float(k))
+    fast, slow = b.rates
+    assert slow == 8e6 and fast is not None and abs(fast - 1e9) < 1e6
+
+
+def test_what_a_drive_did_long_ago_does_not_make_its_rate_now() -> None:
+    """A few barely busy windows, a long pause, then full windows at 100 MB/s: the old bytes are
+    dropped (PENDING), not mixed into the first rate after the pause."""
+    b = Balancer([1.0, 1.0], fixed=True)
+    done, busy, t = 0, 0.0, 0.0
+    for step in [(8_000_000, 0.008)] * 2 + [(0, 0.0)] * 30 + [(100_000_000, 1.0)]:
+        done, busy, t = done + step[0], busy + step[1], t + 1
+        b.observe([done, done], [busy, busy], t)
+    assert b.rates[0] == 100e6
+
+
 def test_every_layer_splits_exactly_in_the_weights_in_force_at_every_step() -> None:
     """The weights only move interval boundaries: each layer's experts follow every step's shares
     within one expert, and a step moves only the experts between the old and the new boundary."""
