@@ -229,5 +229,6 @@ class _Parts:
             passthrough=cfg.passthrough,
             queue_routing=cfg.routing == "queue",
         )
-        adaptive = self._adaptive(counters.activity, engine.set_weights, engine.set_speeds)
+        speeds = engine.set_speeds if cfg.routing == "queue" else None  # only queue routing uses them
+        adaptive = self._adaptive(counters.activity, engine.set_weights, speeds)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)

@@ -747,10 +747,7 @@ static void Engine_dealloc(EngineObject *self) {
     for (int d = 0; d < e->nrep; d++)
         free(e->roots[d]);
     free(e->mountpoint);
-    Py_XDECREF(self->control);
-    Py_XDECREF(self->xattr);
-    Py_XDECREF(self->listxattr);
-    Py_XDECREF(self->event);
+    Engine_clear(self); /* the callbacks: quiescent, so it lets them go */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 

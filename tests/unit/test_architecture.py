@@ -105,26 +105,26 @@ def test_every_function_is_simple_enough() -> None:
     assert not complex_, f"complexity {MAX_COMPLEXITY} or more:\n" + "\n".join(sorted(set(complex_)))
 
 
+def loaded(imports: str, watched: tuple[str, ...]) -> list[str]:
+    """Which of `watched` a fresh interpreter has loaded after `import {imports}`."""
+    code = f"import sys, {imports}; print(sorted(m for m in {watched!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return ast.literal_eval(out.stdout.strip())
+
+
 def test_commands_without_a_mount_import_no_fuse() -> None:
     """plan, stage, verify, probe, stats, route, top: quick to start, usable without libfuse."""
-    code = (
-        "import sys, colifs.cli, colifs.plan, colifs.stage, colifs.verify, colifs.probe, colifs.client, "
-        "colifs.tables, colifs.catalogue, colifs.checks, colifs.config, colifs.top, colifs.metrics; "
-        "print(sorted(m for m in ('pyfuse3', 'trio', 'colifs._native') if m in sys.modules))"
+    commands = (
+        "colifs.cli, colifs.plan, colifs.stage, colifs.verify, colifs.probe, colifs.client, "
+        "colifs.tables, colifs.catalogue, colifs.checks, colifs.config, colifs.top, colifs.metrics"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert loaded(commands, ("pyfuse3", "trio", "colifs._native")) == []
 
 
 def test_mounting_imports_none_of_the_mirror_tools() -> None:
     """A mount reads the receipt (colifs.receipt) but never loads plan, stage or verify."""
-    code = (
-        "import sys, colifs.mount, colifs.assemble, colifs.native, colifs.pyfuse3.engine; "
-        "print(sorted(m for m in ('colifs.plan', 'colifs.stage', 'colifs.verify', 'colifs.progress') "
-        "if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    mount = "colifs.mount, colifs.assemble, colifs.native, colifs.pyfuse3.engine"
+    assert loaded(mount, ("colifs.plan", "colifs.stage", "colifs.verify", "colifs.progress")) == []
 
 
 def imported(path: Path) -> set[str]:
