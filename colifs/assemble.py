@@ -19,6 +19,7 @@ from colifs.balance import Adaptive, Balancer
 from colifs.catalogue import ServedFile, build_files, describe, partial_weights, traffic_by_copies
 from colifs.checks import check_mountpoint, check_roots
 from colifs.config import MountConfig, mount_options
+from colifs.devices import one_drive
 from colifs.health import Health
 from colifs.kernel import Tuning
 from colifs.logs import RecentWarnings
@@ -86,11 +87,16 @@ def assemble(
     files = build_files(tree, replicas)
     history, saving = load_history(usage_path)
     log.debug("built in %.3f s: %d nodes, %d files", time.monotonic() - t0, len(tree.nodes), len(files))
-    routing = _routing(cfg, replicas, files, history)
+    groups = one_drive([r.root for r in replicas])
+    routing = _routing(cfg, replicas, files, history, groups)
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
     router = Router(routing.weights, cfg.routing != "expert", health)
     info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
-    balancer = Balancer([r.weight for r in routing.replicas], fixed=not cfg.adaptive_weights)
+    # Copies on one drive measure each other's load: their rates could not move a split.
+    adaptive = cfg.adaptive_weights and not groups
+    if cfg.adaptive_weights and groups:
+        log.info("adaptive weights: off, copies share a drive; the weights stay as mounted")
+    balancer = Balancer([r.weight for r in routing.replicas], fixed=not adaptive)
     parts = _Parts(
         cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings()
     )
@@ -100,12 +106,16 @@ def assemble(
 
 
 def _routing(
-    cfg: MountConfig, replicas: list[Replica], files: Mapping[int, ServedFile], history: Usage
+    cfg: MountConfig,
+    replicas: list[Replica],
+    files: Mapping[int, ServedFile],
+    history: Usage,
+    groups: list[list[int]],
 ) -> _Routing:
     """The weights: given, or probed; raised for the mirrors' files when mirrors are partial."""
     probed: list[ProbeResult] = []
     if cfg.weights is None and cfg.probe_seconds > 0 and len(replicas) > 1:
-        probed = probe(replicas, list(files.values()), cfg.probe_seconds)
+        probed = probe(replicas, list(files.values()), cfg.probe_seconds, groups)
         for line in table(probed).splitlines():
             log.info("probe: %s", line)
         replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]

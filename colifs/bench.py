@@ -170,6 +170,7 @@ class _Figures:
 
     def __init__(self, seconds: float) -> None:
         self.start = time.monotonic()
+        self.wall = time.time()  # the same moment, for lining the window up with other processes
         self.deadline = self.start + seconds
         self.bytes = 0.0
         self.experts = 0.0
@@ -289,6 +290,7 @@ def run(
         "threads": threads,
         "zipf": zipf,
         "seconds": seconds,
+        "started": figures.wall,
         "experts_total": len(experts),
         "expert_mb": sum(x.nbytes for x in experts) / len(experts) / 1e6,
         "bytes": round(figures.bytes),

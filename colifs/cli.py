@@ -47,14 +47,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--adaptive-weights",
         action="store_true",
-        help="let the weights follow what each drive delivers now (experimental; default: they stay as "
-        "mounted)",
+        help="move the weights to what each drive delivers now under --routing queue too (the default "
+        "of the other routings)",
     )
     m.add_argument(
         "--fixed-weights",
         action="store_true",
         help="keep the split in the weights given or probed at mount, whatever the drives do while "
-        "serving: no spill of a drive's backlog (--routing stripe), no adaptive weights",
+        "serving: no spill of a drive's backlog (--routing stripe unless given), no adaptive weights",
     )
     m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     m.add_argument(
@@ -371,6 +371,7 @@ def cmd_probe(args: argparse.Namespace) -> int:
     from colifs import logs
     from colifs.catalogue import build_files
     from colifs.checks import check_roots
+    from colifs.devices import one_drive
     from colifs.probe import probe, table
     from colifs.tree import Tree
 
@@ -379,7 +380,8 @@ def cmd_probe(args: argparse.Namespace) -> int:
         raise UsageError("--seconds must be positive")
     replicas = check_roots(args.dirs, error=UsageError)
     files = build_files(Tree(replicas[0].root), replicas)
-    print(table(probe(replicas, list(files.values()), args.seconds)))
+    groups = one_drive([r.root for r in replicas])
+    print(table(probe(replicas, list(files.values()), args.seconds, groups)))
     return 0
 
 

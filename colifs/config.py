@@ -83,6 +83,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
     if weights is None:
         source = "default (equal)" if args.no_probe or len(roots) == 1 else "probed"
     _check_numbers(args)
+    routing = args.routing or ("stripe" if args.fixed_weights else DEFAULT_ROUTING[args.engine])
     return MountConfig(
         roots[0],
         roots[1:],
@@ -90,10 +91,13 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         weights,
         source,
         probe_seconds=0.0 if args.no_probe else args.probe_seconds,
-        adaptive_weights=args.adaptive_weights,
+        # The split follows the drives unless --fixed-weights: queue routing by the drives'
+        # backlogs and measured speeds, the other routings by moving the weights (docs/benchmarks.md
+        # runs 54, 61).
+        adaptive_weights=args.adaptive_weights or (routing != "queue" and not args.fixed_weights),
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
-        routing=args.routing or ("stripe" if args.fixed_weights else DEFAULT_ROUTING[args.engine]),
+        routing=routing,
         extent_buffer_mib=args.extent_buffer_mib,
         passthrough=args.passthrough,
         store_roots=args.store_root,

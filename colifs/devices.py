@@ -10,9 +10,12 @@ device is how the benchmarks simulate a drive.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
+
+log = logging.getLogger("colifs")
 
 SYS = Path("/sys")
 
@@ -60,6 +63,17 @@ def shared(drives: Sequence[frozenset[str]]) -> list[list[int]]:
     for i in range(len(drives)):
         by_root.setdefault(root(i), []).append(i)
     return [g for g in by_root.values() if len(g) > 1]
+
+
+def one_drive(roots: Sequence[str]) -> list[list[int]]:
+    """The groups of `shared` copies of these replica roots, each named in one warning."""
+    groups = shared([drive_of(r) for r in roots])
+    for group in groups:
+        log.warning(
+            "%s are on one drive: reading them all adds no bandwidth, so they count as one drive",
+            ", ".join(roots[i] for i in group),
+        )
+    return groups
 
 
 def as_one_drive(weights: Sequence[float], groups: Sequence[Sequence[int]]) -> list[float]:

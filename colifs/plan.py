@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from colifs.catalogue import ServedFile, mirror_problem
 from colifs.checks import check_roots
 from colifs.config import given_weights
+from colifs.devices import one_drive
 from colifs.errors import UsageError
 from colifs.formats import format_for
 from colifs.formats.layout import Layout, LayoutError
@@ -196,7 +197,7 @@ def prediction_weights(flag: str | None, plan: Plan) -> tuple[list[float], str]:
         if c.shard.layout is not None
     ]
     if any(f.copies == (0, 1) for f in files):
-        results = probe(plan.replicas, files, 2.0)
+        results = probe(plan.replicas, files, 2.0, one_drive([r.root for r in plan.replicas]))
         if all(r.mb_per_s for r in results):
             return weights_from(results), "probed"
     return [1.0, 1.0], "assumed equal: nothing on the mirror to probe yet; pass --weights"

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from colifs.backing import align_down
 from colifs.catalogue import ServedFile
-from colifs.devices import as_one_drive, drive_of, shared
+from colifs.devices import as_one_drive
 from colifs.replicas import Replica
 
 log = logging.getLogger("colifs")
@@ -119,9 +119,13 @@ def probe_replica(
 
 
 def probe(
-    replicas: Sequence[Replica], files: Sequence[ServedFile], seconds: float = 2.0
+    replicas: Sequence[Replica],
+    files: Sequence[ServedFile],
+    seconds: float,
+    groups: Sequence[Sequence[int]],
 ) -> list[ProbeResult]:
-    """Probe every replica in turn (one at a time: they may share a controller or a bus)."""
+    """Probe every replica in turn (one at a time: they may share a controller or a bus); `groups`:
+    the copies that share a drive (colifs.devices.one_drive)."""
     results = []
     for r in replicas:
         res = probe_replica(r, files, seconds)
@@ -131,13 +135,7 @@ def probe(
                 r.root,
             )
         results.append(res)
-    for group in shared([drive_of(r.root) for r in replicas]):
-        names = ", ".join(replicas[i].root for i in group)
-        log.warning(
-            "%s are on one drive: reading them all adds no bandwidth; their probed weights share "
-            "that drive's MB/s",
-            names,
-        )
+    for group in groups:
         for i in group:
             results[i] = replace(results[i], one_drive_with=tuple(group))
     return results

@@ -117,16 +117,10 @@ def mounted(
     *extra: str,
     env=None,
     colifs: list[str] = COLIFS,
-    adaptive: bool = False,
 ) -> Iterator[Mount]:
     """Mount with the real CLI (or `colifs`, a command that runs it); unmount (and check every
-    mirror unchanged) whatever happens. The daemon logs to a file (its own --log-file, if given).
-
-    `adaptive`: with --adaptive-weights (the suite's replicas are directories on one disk, whose
-    measured rates are noise: only the tests about adapting them ask for it)."""
+    mirror unchanged) whatever happens. The daemon logs to a file (its own --log-file, if given)."""
     before = {m: snapshot(m) for m in mirrors}
-    if adaptive:
-        extra = (*extra, "--adaptive-weights")
     mnt.mkdir(exist_ok=True)
     if "--log-file" in extra:
         log = extra[extra.index("--log-file") + 1]

@@ -329,9 +329,11 @@ def fault_study(
 
 
 MODES = {
-    "stripe": ("--routing", "stripe"),
-    "adaptive": ("--routing", "stripe", "--adaptive-weights"),
+    "stripe": ("--fixed-weights",),  # fixed 1 MiB stripes, the split as mounted
+    "adaptive": ("--routing", "stripe"),  # stripes whose weights follow the drives (its default)
     "queue": ("--routing", "queue"),
+    "pyfuse3": ("--engine", "pyfuse3"),  # the pyfuse3 engine's default: adaptive stripes
+    "pyfuse3-fixed": ("--engine", "pyfuse3", "--fixed-weights"),
 }
 
 
@@ -389,27 +391,66 @@ def adapt_study(
     rig.throttle(f, s)
     what = "another process reading the mirror's drive"
     for mode in modes:
-        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *MODES[mode]), competing(b):
+        with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}", *MODES[mode]), competing(b, work) as rate:
             warmed(f"sh_{mode}", f"colifs {mode}, {what}")
-    with competing(b):  # what the drives have left: each read alone beside the other process
+            # What the drives have left is their sum less what the other process took over the
+            # same seconds: a mount that leaves it more of the shared drive is not counted short.
+            other = rate(res[f"sh_{mode}"]["started"], args.seconds)
+        res[f"sh_{mode}"]["other_mb_s"] = other / 1e6
+        res[f"sh_left_{mode}"] = {
+            "label": f"the sum less the other process ({other / 1e6:.0f} MB/s)",
+            "gb_per_s": res["c"]["gb_per_s"] - other / 1e9,
+        }
+    with competing(b, work):  # the faster drive read alone, beside the other process
         phase("sh_fast", f"fast drive alone, {what}", [a])
-        phase("sh_slow", f"slow drive alone, {what}", [b])
-    res["sh_sum"] = {"label": "what the drives have left", "gb_per_s": res["sh_fast"]["gb_per_s"]
-                     + res["sh_slow"]["gb_per_s"]}  # fmt: skip
     _print_adapt(args, res, modes)
 
 
+# The other process: O_DIRECT 4 MiB reads of a model's files over and over, one at a time, logging
+# "wall-clock bytes-so-far" every 50 ms so its rate over any window can be read afterwards.
+_COMPETITOR = """
+import mmap, os, sys, time
+root, log = sys.argv[1], open(sys.argv[2], "w", buffering=1)
+buf, done, last = mmap.mmap(-1, 4 << 20), 0, 0.0
+while True:
+    for name in sorted(os.listdir(root)):
+        fd = os.open(os.path.join(root, name), os.O_RDONLY | os.O_DIRECT)
+        off = 0
+        while (n := os.preadv(fd, [buf], off)) > 0:
+            off, done = off + n, done + n
+            if (now := time.time()) - last >= 0.05:
+                log.write(f"{now} {done}\\n")
+                last = now
+            if n < len(buf):
+                break
+        os.close(fd)
+"""
+
+
 @contextlib.contextmanager
-def competing(model: Path) -> Iterator[None]:
-    """Another process reading the drive that holds `model` flat out (O_DIRECT, 4 MiB reads, its
-    files over and over), in the rig's cgroup: it shares that drive's throttle with colifs."""
-    loop = (
-        'while :; do for f in "$0"/*; do dd if="$f" of=/dev/null bs=4M iflag=direct status=none; done; done'
-    )
-    proc = subprocess.Popen(["sh", "-c", loop, str(model)], start_new_session=True)
+def competing(model: Path, work: Path) -> Iterator[Callable[[float, float], float]]:
+    """Another process reading the drive that holds `model` flat out, in the rig's cgroup (it shares
+    that drive's throttle with colifs). Yields `rate(start, seconds)`: its bytes per second over
+    that wall-clock window."""
+    log = work / "competitor.log"
+    proc = subprocess.Popen([sys.executable, "-c", _COMPETITOR, str(model), str(log)], start_new_session=True)
+
+    def rate(start: float, seconds: float) -> float:
+        samples = [tuple(map(float, x.split())) for x in log.read_text().splitlines() if x.count(" ") == 1]
+
+        def at(t: float) -> float:  # bytes read by time t, interpolated between samples
+            before = [x for x in samples if x[0] <= t]
+            after = [x for x in samples if x[0] >= t]
+            if not before or not after:
+                raise RuntimeError("the other process did not log over the whole phase")
+            (t0, b0), (t1, b1) = before[-1], after[0]
+            return b0 if t1 == t0 else b0 + (b1 - b0) * (t - t0) / (t1 - t0)
+
+        return (at(start + seconds) - at(start)) / seconds
+
     try:
         time.sleep(1)  # under way
-        yield
+        yield rate
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -418,7 +459,7 @@ def competing(model: Path) -> Iterator[None]:
 def _print_adapt(args: argparse.Namespace, res: dict[str, dict], modes: list[str]) -> None:
     print()
     print(f"drives: fast {args.fast:g}, slow {args.slow:g} MB/s; {args.threads} readers, {args.seconds:g} s")
-    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<30} {'CPU s/GB':>8}  served, shares, utilization")
+    print(f"{'phase':<58} {'MB/s':>8} {'ratio':>6}  {'of':<40} {'CPU s/GB':>8}  served, shares, utilization")
     rows = []
     for mode in modes:
         rows += [
@@ -435,10 +476,11 @@ def _print_adapt(args: argparse.Namespace, res: dict[str, dict], modes: list[str
             ]
     for mode in modes:
         rows += [
-            (f"sh_{mode}", "sh_sum", "what the drives have left"),
+            (f"sh_{mode}", f"sh_left_{mode}", ""),
             (f"sh_{mode}", "sh_fast", "the faster drive alone"),
         ]
     for key, ref, what in rows:
+        what = what or res[ref]["label"]
         got, base = res[key]["gb_per_s"] * 1e3, res[ref]["gb_per_s"] * 1e3
         bal = res[key].get("balance", {})
         served = " / ".join(f"{x:.0%}" for x in res[key].get("served_shares", []))
@@ -446,7 +488,7 @@ def _print_adapt(args: argparse.Namespace, res: dict[str, dict], modes: list[str
         busy = " / ".join(f"{x:.0%}" for x in bal.get("utilization", []))
         cpu = res[key].get("cpu_s_per_gb", 0.0)
         print(
-            f"{key + ') ' + res[key]['label']:<58} {got:>8.1f} {got / base:>6.2f}  {what:<30} {cpu:>8.2f}"
+            f"{key + ') ' + res[key]['label']:<58} {got:>8.1f} {got / base:>6.2f}  {what:<40} {cpu:>8.2f}"
             f"  {served}, {shares}, {busy}"
         )
     for key in res:

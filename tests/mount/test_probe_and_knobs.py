@@ -31,12 +31,19 @@ def test_without_weights_the_mount_probes_each_drive(model) -> None:
         assert m.stderr.count("are on one drive") == 1, m.stderr
 
 
-def test_no_probe_means_equal_weights(model) -> None:
+@pytest.mark.parametrize("routing", ["stripe", "queue"])
+def test_no_probe_means_equal_weights(model, engine: str, routing: str) -> None:
+    """Weights given (here: equal) and copies on one drive: still one warning that says so; and
+    the weights do not follow the copies' measured rates, which are that one drive's load."""
+    if routing == "queue" and engine == "pyfuse3":
+        pytest.skip("--routing queue is the native engine's")
     primary, mirror, mnt = model
-    with mounted(primary, [mirror], mnt, "--no-probe") as m:
+    with mounted(primary, [mirror], mnt, "--no-probe", "--routing", routing) as m:
         st = m.stats()
         assert st["weights_source"] == "default (equal)" and st["probe"] == []
         assert [r["weight"] for r in st["replicas"]] == [1.0, 1.0]
+        assert m.stderr.count("are on one drive") == 1, m.stderr
+        assert not st["balance"]["adaptive"]  # stripe routing's default, but not on one drive
 
 
 def test_probe_command_prints_a_table_and_suggested_weights(model) -> None:

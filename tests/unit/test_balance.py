@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from colifs.balance import FLOOR, TICK, Balancer, shares, with_floor
+from colifs.cli import parser
+from colifs.config import mount_config
 from colifs.formats.layout import ExpertKey
 from colifs.routing import pick, positions
 
@@ -210,3 +213,23 @@ def test_with_floor_keeps_every_share_above_the_floor_and_the_order(raw: list[fl
     for i in range(len(raw) - 1):
         a, b, x, y = target[i], target[i + 1], out[i], out[i + 1]
         assert (a <= b) == (x <= y) or abs(x - y) < 1e-12
+
+
+@pytest.mark.parametrize(
+    ("flags", "routing", "adaptive"),
+    [
+        ((), "queue", False),  # follows the drives by backlog and measured speed, not weights
+        (("--engine", "pyfuse3"), "stripe", True),
+        (("--routing", "stripe"), "stripe", True),
+        (("--routing", "expert"), "expert", True),
+        (("--adaptive-weights",), "queue", True),
+        (("--fixed-weights",), "stripe", False),
+        (("--routing", "expert", "--fixed-weights"), "expert", False),
+    ],
+)
+def test_the_split_follows_the_drives_unless_fixed(
+    flags: tuple[str, ...], routing: str, adaptive: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("COLIFS_ENGINE", raising=False)
+    cfg = mount_config(parser().parse_args(["mount", "/p", "/m", "/mnt", *flags]))
+    assert (cfg.routing, cfg.adaptive_weights) == (routing, adaptive)
