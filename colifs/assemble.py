@@ -27,7 +27,8 @@ from colifs.namespace import Namespace
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.readplan import Router
 from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
-from colifs.replicas import Replica
+from colifs.reload import Reloader, Reloads
+from colifs.replicas import Identity, Replica
 from colifs.stats import Counters, DriveCounters, MountInfo, Stats
 from colifs.tree import Tree
 from colifs.usage import Usage
@@ -59,9 +60,10 @@ class Assembly:
     recorder: UsageRecorder
     tuning: Tuning
     adaptive: Adaptive
+    reloader: Reloader
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Routing:
     replicas: list[Replica]  # with their weights (probed, when they were)
     weights: list[float]  # for the files the mirrors hold (partial mirrors get more)
@@ -72,6 +74,12 @@ class _Routing:
     def held(self, weights: list[float]) -> list[float]:
         """Plain weights -> the weights for the files the mirrors hold (partial mirrors get more)."""
         return weights if self.by_set is None else partial_weights(weights, self.by_set)[0]
+
+    def recount(self, files: Mapping[int, ServedFile], history: Usage, weights: list[float]) -> None:
+        """The traffic per set of copies again, once a reload changed the copies."""
+        nrep = len(self.replicas)
+        self.by_set = traffic_by_copies(files, history, nrep) if nrep > 1 and history else None
+        self.partial = None if self.by_set is None else partial_weights(weights, self.by_set)[1]
 
 
 def assemble(
@@ -98,8 +106,9 @@ def assemble(
         log.info("adaptive weights: off, copies share a drive; the weights stay as mounted")
     balancer = Balancer([r.weight for r in routing.replicas], fixed=not adaptive)
     parts = _Parts(
-        cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings()
-    )
+        cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings(),
+        history, Reloads(),
+    )  # fmt: skip
     if cfg.engine == "native":
         return parts.native(usage_path, saving, history.runs)
     return parts.pyfuse3(usage_path, saving, history.runs, io or OsIO(direct=cfg.backing_io == "direct"))
@@ -158,10 +167,23 @@ class _Parts:
     router: Router
     balancer: Balancer
     warnings: RecentWarnings
+    history: Usage  # the usage history read at mount: the partial-mirror weights' traffic
+    reloads: Reloads
 
     @property
     def replicas(self) -> list[Replica]:
         return self.routing.replicas
+
+    def _reloader(
+        self, stats: Stats, set_copy: Callable[[ServedFile, int, Identity | None], bool],
+        apply: Callable[[list[float]], None],
+    ) -> Reloader:  # fmt: skip
+        def reweigh() -> None:
+            self.routing.recount(self.files, self.history, self.balancer.weights)
+            stats.set_partial(self.routing.partial)
+            apply(self.routing.held(self.balancer.weights))
+
+        return Reloader(self.tree, self.files, self.replicas, self.health, set_copy, reweigh, self.reloads)
 
     def _adaptive(
         self,
@@ -180,7 +202,7 @@ class _Parts:
     ) -> Stats:
         return Stats(
             self.replicas, self.info, counters, self.health, in_flight, recorder.status, tuning.applied,
-            self.warnings.lines, self.balancer.as_dict,
+            self.warnings.lines, self.balancer.as_dict, self.reloads.as_dict,
         )  # fmt: skip
 
     def _namespace(self, stats: Stats) -> Namespace:
@@ -211,7 +233,8 @@ class _Parts:
         adaptive = self._adaptive(
             lambda: (stats.bytes_served, [w.busy_seconds for w in workers]), reader.set_weights
         )
-        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)
+        reloader = self._reloader(stats, reader.set_copy, reader.set_weights)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
         from colifs.native import NativeCounters, NativeEngine, key_table
@@ -241,4 +264,5 @@ class _Parts:
         )
         speeds = engine.set_speeds if cfg.routing == "queue" else None  # only queue routing uses them
         adaptive = self._adaptive(counters.activity, engine.set_weights, speeds)
-        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive)
+        reloader = self._reloader(stats, engine.set_copy, engine.set_weights)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)

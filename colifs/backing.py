@@ -106,7 +106,12 @@ class OsIO:
 
 
 class Changed(Exception):
-    """A mirror copy is no longer the file validated at mount."""
+    """A mirror copy is no longer the file validated at mount (or reload): `expected`, what it was
+    checked against (a reload may have validated another copy since)."""
+
+    def __init__(self, what: str, expected: Identity) -> None:
+        super().__init__(what)
+        self.expected = expected
 
 
 class TimedOut(Exception):
@@ -122,7 +127,7 @@ def check_unchanged(io: BackingIO, fd: int, expect: Identity) -> None:
     """Raise Changed if the open mirror copy is no longer the one validated at mount."""
     now = io.identity(fd)
     if now != expect:
-        raise Changed(what_changed(expect, now))
+        raise Changed(what_changed(expect, now), expect)
 
 
 def open_checked(io: BackingIO, path: str, expect: Identity) -> int:

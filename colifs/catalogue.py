@@ -51,11 +51,35 @@ class ServedFile:
     identities: dict[int, Identity] = field(default_factory=dict)  # per valid mirror, at mount
     vouched: tuple[int, ...] = ()  # mirrors whose `colifs stage` receipt still vouches for its data
     fmt: str | None = None
+    reloaded: dict[int, int] = field(default_factory=dict)  # per mirror: reload verdicts applied
 
     def drop(self, replica: int, why: str) -> None:
         """Stop using a mirror for this file (it changed after mount); notes say why."""
         self.copies = tuple(r for r in self.copies if r != replica)
         self.note = "; ".join(x for x in (self.note, why) if x)
+
+    def recheck(self, replica: int, ident: Identity | None, root: str, why: str) -> None:
+        """A reload's verdict on a mirror's copy (colifs.reload): usable as `ident`, or not (why);
+        the notes about that mirror are replaced."""
+        self.reloaded[replica] = self.reloaded.get(replica, 0) + 1
+        notes = [x for x in self.note.split("; ") if x and not x.startswith(f"mirror {root}:")]
+        if ident is None:
+            self.copies = tuple(r for r in self.copies if r != replica)
+            self.identities.pop(replica, None)
+            notes.append(f"mirror {root}: {why} (reload)")
+        else:
+            self.copies = tuple(sorted({*self.copies, replica}))
+            self.identities[replica] = ident
+        self.note = "; ".join(notes)
+
+    def generation(self, replica: int) -> int:
+        """How many reload verdicts changed the mirror's copy: the native engine counts alike
+        (file_t.copy_gen), so an event about an older copy is told apart."""
+        return self.reloaded.get(replica, 0)
+
+    def vouch(self, replicas: tuple[int, ...]) -> None:
+        """The mirrors whose receipt vouches for the copy, read again (a reload)."""
+        self.vouched = replicas
 
     @property
     def is_model(self) -> bool:
@@ -145,7 +169,7 @@ def build_files(tree: Tree, replicas: Sequence[Replica]) -> dict[int, ServedFile
             checked[node.ino] = ServedFile(node.relpath, node.st.st_size)
         else:
             checked[node.ino] = validate(path, node.relpath, replicas, fmt, configs.experts_for(node.relpath))
-    vouched = _vouched(checked, tree, replicas)
+    vouched = vouched_copies(checked, tree, replicas)
     where = positions(k for f in checked.values() if f.layout for k in f.layout.keys)
     key_bytes = key_sizes(f.layout for f in checked.values() if f.layout is not None)
     # Keys smaller than two chunks stay whole on one drive, in both routing modes.
@@ -165,7 +189,9 @@ def _routed(f: ServedFile, where: Mapping, striped: set, vouched: tuple[int, ...
     )
 
 
-def _vouched(files: Mapping[int, ServedFile], tree: Tree, replicas: Sequence[Replica]) -> dict[int, tuple]:
+def vouched_copies(
+    files: Mapping[int, ServedFile], tree: Tree, replicas: Sequence[Replica]
+) -> dict[int, tuple]:
     """Per file, the mirrors whose `colifs stage` receipt still vouches for its copy (SHA-256-checked)."""
     out: dict[int, tuple[int, ...]] = {}
     for r in replicas[1:]:

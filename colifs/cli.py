@@ -8,7 +8,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from colifs import __version__
 from colifs.config import DEFAULT_EXTENT_BUFFER_MIB, ENGINE_ENV, ENGINES, WEIGHTS_ENV
@@ -318,6 +318,19 @@ def parser() -> argparse.ArgumentParser:
     )
     co.add_argument("shell", choices=["bash"], help="the shell (bash)")
 
+    rl = sub.add_parser(
+        "reload",
+        help="check a mount's mirrors again while it serves",
+        description="Check every mirror of a mount again, as at mount (size, header, receipt), while it "
+        "serves: copies staged or repaired since start serving, copies that changed or went away stop, "
+        "the routing follows. Returns once the new state is in force and prints what changed, one line "
+        "per mirror. Also: SIGHUP to the daemon (systemd: systemctl reload).",
+    )
+    rl.add_argument("mountpoint", help="a colifs mount point")
+    rl.add_argument(
+        "--timeout", type=float, default=120.0, metavar="S", help="give up after S seconds (default: 120)"
+    )
+
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
@@ -413,15 +426,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from colifs.client import mounts_using
     from colifs.plan import make_plan, prediction_weights, summary
     from colifs.tables import plan_table
 
     plan = make_plan(args.primary, args.mirror, args.budget, args.reserve, args.usage)
     result = summary(plan, *prediction_weights(args.weights, plan))
+    result["mounts_using_mirror"] = mounts_using(plan.mirror)
     if args.json:
         print(json.dumps(result, indent=1))
-    else:
-        _print(plan_table(result, plan.mirror))
+        return 0
+    _print(plan_table(result, plan.mirror))
+    if result["mounts_using_mirror"]:
+        print(f"served by: {', '.join(result['mounts_using_mirror'])} (colifs stage reloads them)")
     return 0
 
 
@@ -441,7 +458,25 @@ def cmd_stage(args: argparse.Namespace) -> int:
         f"staged {len(result.copied)} shard(s) ({human(copied)}), {len(result.kept)} already on "
         f"{plan.mirror}; they cover {coverage(plan.choices):.1%} of the traffic; receipt written"
     )
-    return 0
+    return _reload_users(plan.mirror, say)
+
+
+def _reload_users(mirror: str, say: Callable[[str], None]) -> int:
+    """Every live mount serving `mirror` reloads, so it serves what was just staged."""
+    from colifs.client import mounts_using, reload
+
+    failed = 0
+    for mnt in mounts_using(mirror):
+        try:
+            last = reload(mnt, 120.0)
+        except QuietError as e:
+            say(f"{mnt} not reloaded: {e}; run colifs reload {mnt}")
+            failed = e.exit_code
+            continue
+        for m in last["mirrors"]:
+            if os.path.realpath(m["path"]) == os.path.realpath(mirror):
+                print(f"{mnt} reloaded, mirror {mirror}: " + reload_line(m))
+    return failed
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -503,6 +538,26 @@ def cmd_top(args: argparse.Namespace) -> int:
     return 0
 
 
+def reload_line(m: dict) -> str:
+    """What a reload did with one mirror, as `colifs reload` and `colifs stage` say it."""
+    if not m["checked"]:
+        return f"down or unreadable, left as it was ({m['model_files']} model files served)"
+    busy = f", {len(m['busy'])} busy (left as they were)" if m["busy"] else ""
+    served = f"{m['model_files']} model files served"
+    return f"{len(m['added'])} files added, {len(m['dropped'])} dropped{busy}, {served}"
+
+
+def cmd_reload(args: argparse.Namespace) -> int:
+    from colifs.client import reload
+
+    last = reload(args.mountpoint, args.timeout)
+    for m in last["mirrors"]:
+        print(f"mirror {m['path']}: " + reload_line(m))
+    for relpath in last["primary_changed"]:
+        print(f"primary {relpath}: changed since mount; served as before (remount to serve it)")
+    return 0
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     from colifs.client import read_stats
 
@@ -526,6 +581,7 @@ COMMANDS = {
     "probe": cmd_probe,
     "bench": cmd_bench,
     "stats": cmd_stats,
+    "reload": cmd_reload,
     "plan": cmd_plan,
     "stage": cmd_stage,
     "verify": cmd_verify,

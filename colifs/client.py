@@ -1,15 +1,17 @@
 """Talking to a running mount from another process: its stats.json, unmounting it and waiting for
-its daemon, the route of a byte (an extended attribute). Errors are one line (QuietError)."""
+its daemon, reloading it, the route of a byte (an extended attribute). Errors are one line
+(QuietError)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import signal
 import time
 
 from colifs.errors import BusyError, NotMountedError, QuietError, UsageError
-from colifs.kernel import mount_type
+from colifs.kernel import colifs_mounts, mount_type
 from colifs.namespace import CONTROL_DIR, ROUTE_XATTR
 from colifs.unmount import Busy, UnmountFailed, describe, unmount
 
@@ -72,6 +74,47 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except (FileNotFoundError, IndexError):
         return False
+
+
+def reload(mountpoint: str, timeout: float) -> dict:
+    """Ask the mount's daemon to check its mirrors again (SIGHUP) and wait until a reload that
+    started after the signal has ended: what stats.json says of it."""
+    mnt = os.path.realpath(mountpoint)
+    if mount_type(mnt) != "fuse.colifs":
+        raise NotMountedError(f"{mnt} is not a colifs mount")
+    before = read_stats(mnt)
+    try:
+        pid, started = int(before["pid"]), int(before["reload"]["started"])
+    except (KeyError, TypeError, ValueError):
+        raise QuietError(f"the daemon of {mnt} cannot reload (an older colifs: remount it)") from None
+    try:
+        os.kill(pid, signal.SIGHUP)
+    except ProcessLookupError:
+        raise NotMountedError(f"{mnt}: stale mount, its daemon is gone") from None
+    except PermissionError:
+        raise QuietError(f"not allowed to signal the daemon of {mnt} (pid {pid}): run as its user") from None
+    deadline = time.monotonic() + timeout
+    while (now := read_stats(mnt)["reload"])["count"] <= started:  # one in progress ends first
+        if time.monotonic() > deadline:
+            raise QuietError(f"the daemon of {mnt} did not reload within {timeout:g} s")
+        time.sleep(0.05)
+    if "error" in now["last"]:
+        raise QuietError(f"{mnt}: reload failed ({now['last']['error']}); it serves as before")
+    return now["last"]
+
+
+def mounts_using(mirror: str) -> list[str]:
+    """The live colifs mounts that serve the directory `mirror` as one of their mirrors."""
+    want = os.path.realpath(mirror)
+    out = []
+    for mnt in colifs_mounts():
+        try:
+            replicas = read_stats(mnt)["replicas"][1:]
+        except (NotMountedError, KeyError, ValueError):
+            continue  # stale, or not answering as a colifs daemon does
+        if any(os.path.realpath(r["path"]) == want for r in replicas):
+            out.append(mnt)
+    return out
 
 
 def route(path: str, offset: int) -> dict:

@@ -56,6 +56,18 @@ def mount_at(real: str) -> MountEntry | None:
     return found
 
 
+def colifs_mounts() -> list[str]:
+    """The mount points of every colifs mount this process can see."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-", 6) if "-" in fields[6:] else -1
+            if sep > 0 and fields[sep + 1] == "fuse.colifs":
+                out.append(_unescape(fields[4]))
+    return out
+
+
 def mount_type(path: str) -> str | None:
     """The filesystem type mounted at `path`, None when nothing is."""
     entry = mount_at(os.path.realpath(path))

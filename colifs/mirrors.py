@@ -15,7 +15,7 @@ from colifs.backing import Changed, TimedOut, align_down
 from colifs.catalogue import ServedFile
 from colifs.health import Health
 from colifs.logs import WarnOnce
-from colifs.replicas import Replica
+from colifs.replicas import Identity, Replica
 from colifs.routing import CHUNK
 
 log = logging.getLogger("colifs")
@@ -76,14 +76,19 @@ class MirrorPolicy:
             self.replicas[drive].root,
         )
 
-    def changed(self, f: ServedFile, drive: int, what: str) -> None:
-        """A mirror copy changed after mount: never used again for this file."""
+    def changed(self, f: ServedFile, drive: int, what: str, expected: Identity | None) -> bool:
+        """A mirror copy changed after mount: not used again for this file (until a reload finds
+        it valid). `expected`: the copy the failing read was checked against. False when that is
+        no longer the file's copy (a reload dropped or replaced it since): nothing to do."""
+        if f.identities.get(drive) != expected:
+            return False
         if drive in f.copies:
             root = self.replicas[drive].root
             f.drop(drive, f"mirror {root}: changed since mount ({what})")
             log.warning(
                 "%s: mirror %s: changed since mount (%s); no longer used for this file", f.relpath, root, what
             )
+        return True
 
     def due(self) -> list[int]:
         """The down mirrors whose back-off is over."""
@@ -115,7 +120,7 @@ class MirrorPolicy:
             await read(drive, f, align_down(n * CHUNK % f.size) if f is not None else 0)
         except (OSError, TimedOut, Changed) as e:
             if isinstance(e, Changed) and f is not None:
-                self.changed(f, drive, str(e))
+                self.changed(f, drive, str(e), e.expected)
             timed_out = isinstance(e, TimedOut)
             h.check_failed(f"check read: {'timeout' if timed_out else describe(e)}", timed_out)
             log.debug("mirror %s: check read failed (%s); next in %.0f s", root, e, h.wait())

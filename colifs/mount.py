@@ -1,5 +1,6 @@
 """Mount lifecycle: assemble (colifs.assemble) → mount → serve → until unmounted (`colifs umount`,
-umount(8)) or signalled (SIGTERM/SIGINT/SIGHUP: unmount once no process uses the mount).
+umount(8)) or signalled (SIGTERM/SIGINT: unmount once no process uses the mount). SIGHUP reloads:
+the mirrors are checked again while serving (colifs.reload; `colifs reload` sends it).
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from colifs.unmount import Busy, UnmountFailed, unmount
 
 log = logging.getLogger("colifs")
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+RELOAD_SIGNAL = signal.SIGHUP
 BUSY_RETRY = 0.5  # s between unmount attempts after a stop signal while the mount is in use
 BUSY_WARN_INTERVAL = 60.0  # s between the warnings naming who still uses it
 
@@ -74,14 +76,27 @@ def _run(asm: Assembly, usage_interval: float, on_ready: Callable[[], None], ear
     tasks: list[Callable[[], Awaitable[None]]] = [engine.watch, asm.adaptive.run]
     if asm.recorder.saving:
         tasks.append(functools.partial(asm.recorder.keep, usage_interval))
+    tasks.append(functools.partial(_reload_on_signal, asm, early))
     trio.run(_main, asm.mountpoint, asm.tuning, on_ready, early, engine.run, engine.stop, tasks)
+
+
+async def _reload_on_signal(asm: Assembly, early: list[int]) -> None:
+    """Each SIGHUP reloads (one at a time; those that arrive meanwhile make one more). One that
+    came before this receiver opened was recorded in `early`."""
+    with trio.open_signal_receiver(RELOAD_SIGNAL) as sigs:
+        if RELOAD_SIGNAL in early:
+            await asm.reloader.reload()
+        async for _ in sigs:
+            log.info("signal SIGHUP: reloading (the mirrors checked again)")
+            await asm.reloader.reload()
 
 
 @contextlib.contextmanager
 def _signals_recorded() -> Iterator[list[int]]:
-    """From here on a signal must unmount, never kill: it is recorded until trio takes over."""
+    """From here on a signal must unmount or reload, never kill: it is recorded until trio takes
+    over."""
     early: list[int] = []
-    previous = {s: signal.signal(s, lambda sig, _: early.append(sig)) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, lambda sig, _: early.append(sig)) for s in (*STOP_SIGNALS, RELOAD_SIGNAL)}
     try:
         yield early
     finally:
@@ -141,7 +156,8 @@ async def _main(
             # Open for the whole life of the mount: a later signal is taken here, never fatal.
             with trio.open_signal_receiver(*STOP_SIGNALS) as sigs:
                 task_status.started()
-                sig = early[0] if early else await sigs.__anext__()
+                stops = [s for s in early if s in STOP_SIGNALS]  # a SIGHUP there is the reloader's
+                sig = stops[0] if stops else await sigs.__anext__()
                 log.info("signal %s: unmounting %s once no process uses it", signal.Signals(sig).name, mnt)
                 await _unmount_when_unused(mnt, own, unmounted)
                 async for _ in sigs:

@@ -28,7 +28,7 @@ from colifs.logs import WarnOnce
 from colifs.mirrors import MirrorPolicy
 from colifs.namespace import CONTROL_FILES, CONTROL_INO, Namespace
 from colifs.readplan import Router, route_columns, run_table
-from colifs.replicas import Replica
+from colifs.replicas import Identity, Replica
 from colifs.usage import Usage
 
 log = logging.getLogger("colifs")
@@ -247,7 +247,7 @@ class NativeEngine:
         self._seen_ok = [0] * len(self.replicas)
         self._check_threads: dict[int, trio.CapacityLimiter] = {}
         self._thread: threading.Thread | None = None
-        index = {id(f): i for i, f in enumerate(self.files)}
+        index = self._index = {id(f): i for i, f in enumerate(self.files)}
         key_ids = {k: i for i, k in enumerate(counters.keys)}
         nodes, children = self._namespace_tables(self.ns, index)
         rows = [self._file_row(f, key_ids) for f in self.files]
@@ -326,9 +326,13 @@ class NativeEngine:
         except Exception as e:
             return request_errno(e, handler)
 
-    def _event(self, kind: int, drive: int, file: int, text: bytes, timed_out: int, successes: int) -> None:
+    def _event(
+        self, kind: int, drive: int, file: int, text: bytes, timed_out: int, successes: int, gen: int
+    ) -> None:
         try:
             f = self.files[file] if file >= 0 else None
+            if f is not None and kind == _native.EV_MIRROR_CHANGED and gen != f.generation(drive):
+                return  # about a copy a reload replaced or dropped since (the engine counts alike)
             self._on_event(kind, drive, f, text.decode(errors="replace"), bool(timed_out), successes)
         except Exception:
             log.exception("internal error handling an engine event")
@@ -352,7 +356,7 @@ class NativeEngine:
             return
         if kind == _native.EV_MIRROR_CHANGED:
             self.stats.failed(drive, f"changed since mount: {text}")
-            self.mirrors.changed(f, drive, text)
+            self.mirrors.changed(f, drive, text, f.identities.get(drive))
             return
         if successes != self._seen_ok[drive]:  # a success since the last failure: not "in a row"
             self._seen_ok[drive] = successes
@@ -367,6 +371,10 @@ class NativeEngine:
         """New weights in force (colifs.balance): the next requests route by them; no table changes."""
         self.router.weights[:] = weights
         self.engine.set_routes(route_columns(weights))
+
+    def set_copy(self, f: ServedFile, drive: int, identity: Identity | None) -> bool:
+        """A reload's verdict on a mirror copy (colifs.reload); False: the file is busy, ask again."""
+        return self.engine.set_copy(self._index[id(f)], drive, identity)
 
     def set_speeds(self, rates: list[float | None]) -> None:
         """Each drive's measured bytes/s (None: not measured yet), for --routing queue."""

@@ -6,7 +6,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from colifs import __version__
@@ -110,6 +110,7 @@ class Stats:
         kernel: Callable[[], dict],
         warnings: Callable[[], list[str]],
         balance: Callable[[], dict],
+        reloads: Callable[[], dict],
     ) -> None:
         self.replicas = list(replicas)
         self.info = info
@@ -121,6 +122,7 @@ class Stats:
         self._kernel = kernel
         self._warnings = warnings
         self._balance = balance  # the weights in force and the drives' measured rates
+        self._reloads = reloads  # how many reloads ran, and what the last one changed
         self.last_error: list[str | None] = [None] * len(replicas)
 
     @property
@@ -138,6 +140,10 @@ class Stats:
     @property
     def fallbacks(self) -> int:
         return self.counters.fallbacks
+
+    def set_partial(self, partial: dict | None) -> None:
+        """The partial-mirror routing, computed again (a reload changed the copies)."""
+        self.info = replace(self.info, partial=partial)
 
     # The pyfuse3 reader's calls (the native engine counts in its own memory).
 
@@ -211,6 +217,7 @@ class Stats:
             "late_reads_skipped": self.counters.late_reads_skipped,
             "usage": self._usage(),
             "partial_mirror": self.info.partial,
+            "reload": self._reloads(),
             "files": {
                 f.relpath: {
                     "replicas": [self.replicas[i].root for i in f.copies],

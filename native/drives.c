@@ -27,6 +27,9 @@ typedef struct job {
     ssize_t got; /* -1: error (err) */
     int err, changed, opened_failed, done;
     int no_fds; /* the open failed for want of descriptors: the daemon's lack, not the mirror's */
+    ident_t want;  /* the copy's identity, generation and use when the job was handed out */
+    uint32_t gen;
+    int usable;    /* 0: a reload took the copy out after the request was planned: not read */
     char what[200];
     struct job *next;
 } job_t;
@@ -131,7 +134,7 @@ int open_backing(engine_t *e, int drive, const char *relpath, int *direct) {
             return -1;
         uint32_t bit = 1u << drive;
         if (!(atomic_fetch_or(&e->no_direct_warned, bit) & bit))
-            e->event(e->py, EV_NO_DIRECT, drive, -1, path, 0, 0);
+            e->event(e->py, EV_NO_DIRECT, drive, -1, path, 0, 0, 0);
     }
     return open(path, O_RDONLY | O_CLOEXEC);
 }
@@ -225,6 +228,60 @@ static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
     return FD_CLOSED;
 }
 
+/* What mirror_fd opened (or failed to), stored for the file's next jobs; unless a reload changed
+ * the copy meanwhile (then it is closed, and the job's piece read from the primary: stale). */
+static int opened(job_t *j, int fd, int direct, uint32_t epoch, uint32_t gen) {
+    file_t *f = j->f;
+    int d = j->drive;
+    pthread_mutex_lock(&f->lock);
+    int late = atomic_load(&f->copy_gen[d]) != gen;
+    int closing = late ? fd : -1;
+    if (late) {
+        fd = FD_CLOSED;
+        j->changed = 1; /* judged stale: the generation moved */
+    } else if (fd >= 0) {
+        f->direct[d] = direct;
+    } else {
+        fd = j->changed ? FD_CHANGED : j->no_fds ? FD_CLOSED : FD_FAILED; /* no fds: tried again later */
+    }
+    atomic_store(&f->fd_epoch[d], epoch);
+    atomic_store(&f->fd[d], fd);
+    pthread_cond_broadcast(&f->opened);
+    pthread_mutex_unlock(&f->lock);
+    if (closing >= 0)
+        close(closing);
+    return late ? -1 : fd;
+}
+
+int file_set_copy(file_t *f, int d, const ident_t *ident) {
+    uint32_t bit = 1u << d;
+    int old = -1;
+    pthread_mutex_lock(&f->lock);
+    int fd = atomic_load(&f->fd[d]);
+    if (fd >= 0 && f->jobs > 0 && f->nretired == RETIRED_FDS) {
+        pthread_mutex_unlock(&f->lock);
+        return EBUSY;
+    }
+    if (ident) {
+        f->ident[d] = *ident;
+        atomic_fetch_or(&f->mask, bit);
+    } else {
+        atomic_fetch_and(&f->mask, ~bit);
+    }
+    atomic_fetch_add(&f->copy_gen[d], 1);
+    atomic_fetch_and(&f->dropped, ~bit);
+    if (fd >= 0 && f->jobs > 0)
+        f->retired[f->nretired++] = fd; /* a job may still read it */
+    else if (fd >= 0)
+        old = fd;
+    if (fd != FD_OPENING) /* an open under way sees the generation move (opened) */
+        atomic_store(&f->fd[d], FD_CLOSED);
+    pthread_mutex_unlock(&f->lock);
+    if (old >= 0)
+        close(old);
+    return 0;
+}
+
 /* The mirror copy's descriptor, opened (and checked unchanged) on first use, and again once its
  * mirror came back up. The open runs without the file's lock: on a hung mirror it may never
  * return, and opens and releases of the file must not wait for it. Other drive threads wait for
@@ -236,7 +293,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
     uint32_t epoch = atomic_load(&e->epoch[d]);
     uint32_t opened_at = atomic_load(&f->fd_epoch[d]); /* before fd: a renewal stores fd first */
     int fd = atomic_load(&f->fd[d]);
-    if ((fd >= 0 || fd == FD_FAILED) && opened_at == epoch)
+    if ((fd >= 0 || fd == FD_FAILED || fd == FD_CHANGED) && opened_at == epoch)
         return fd;
     pthread_mutex_lock(&f->lock);
     while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
@@ -248,6 +305,8 @@ static int mirror_fd(engine_t *e, job_t *j) {
     }
     atomic_store(&f->fd[d], FD_OPENING);
     epoch = atomic_load(&e->epoch[d]); /* what this open is from (the lock orders it after renew) */
+    ident_t want = f->ident[d];
+    uint32_t gen = atomic_load(&f->copy_gen[d]);
     pthread_mutex_unlock(&f->lock);
 
     int direct;
@@ -256,21 +315,12 @@ static int mirror_fd(engine_t *e, job_t *j) {
         j->no_fds = errno == EMFILE || errno == ENFILE;
         snprintf(j->what, sizeof j->what, "cannot open %s (%s)", f->relpath, strerror(errno));
         j->opened_failed = 1;
-    } else if (!same_identity(fd, &f->ident[d], j->what, sizeof j->what)) {
+    } else if (!same_identity(fd, &want, j->what, sizeof j->what)) {
         close(fd);
         j->changed = 1;
         fd = -1;
     }
-    pthread_mutex_lock(&f->lock);
-    if (fd >= 0)
-        f->direct[d] = direct;
-    else
-        fd = j->no_fds ? FD_CLOSED : FD_FAILED; /* out of descriptors: tried again later */
-    atomic_store(&f->fd_epoch[d], epoch);
-    atomic_store(&f->fd[d], fd);
-    pthread_cond_broadcast(&f->opened);
-    pthread_mutex_unlock(&f->lock);
-    return fd;
+    return opened(j, fd, direct, epoch, gen);
 }
 
 uint64_t mono_ns(void) {
@@ -293,7 +343,16 @@ static void drive_active(engine_t *e, int d, int delta) {
 }
 
 static void run_job(engine_t *e, job_t *j) {
+    if (!j->usable) {
+        j->changed = 1; /* judged stale */
+        j->got = -1;
+        return;
+    }
     int fd = mirror_fd(e, j);
+    if (fd == FD_CHANGED && !j->changed) {
+        j->changed = 1; /* another job found the copy changed: so is this one's */
+        snprintf(j->what, sizeof j->what, "changed (found when opened)");
+    }
     if (fd < 0) {
         j->got = -1;
         j->err = EIO;
@@ -314,7 +373,7 @@ static void run_job(engine_t *e, job_t *j) {
                  strerror(j->err));
         return;
     }
-    if (!same_identity(fd, &j->f->ident[j->drive], j->what, sizeof j->what))
+    if (!same_identity(fd, &j->want, j->what, sizeof j->what))
         j->changed = 1;
 }
 
@@ -443,11 +502,13 @@ void drives_stop(engine_t *e) {
 /* -- planning: [start, end) -> runs of one drive each, as colifs.readplan.plan() cuts them --------- */
 
 static uint32_t usable(engine_t *e, file_t *f) {
-    uint32_t m = f->mask & atomic_load(&e->up) & ~atomic_load(&f->dropped);
-    for (int d = 1; d < e->nrep; d++)
-        if ((m & (1u << d)) && atomic_load(&f->fd[d]) == FD_FAILED &&
+    uint32_t m = atomic_load(&f->mask) & atomic_load(&e->up) & ~atomic_load(&f->dropped);
+    for (int d = 1; d < e->nrep; d++) {
+        int fd = atomic_load(&f->fd[d]);
+        if ((m & (1u << d)) && (fd == FD_FAILED || fd == FD_CHANGED) &&
             atomic_load(&f->fd_epoch[d]) == atomic_load(&e->epoch[d]))
-            m &= ~(1u << d); /* failed to open since the mirror was last up */
+            m &= ~(1u << d); /* failed to open (or changed) since the mirror was last up */
+    }
     return m | 1u;
 }
 
@@ -751,7 +812,7 @@ static pending_t *pending_new(size_t njobs) {
 
 /* One note per kind and drive: a reading counts once against a drive's health however many of its
  * pieces failed there (a stretch has up to 16 on one drive). */
-static void note(notes_t *nt, int kind, int drive, int timed_out, const char *what) {
+static void note(notes_t *nt, int kind, int drive, int timed_out, uint32_t gen, const char *what) {
     for (size_t i = 0; i < nt->n; i++) {
         if (nt->v[i].kind == kind && nt->v[i].drive == drive) {
             nt->v[i].timed_out |= timed_out; /* health counts a timeout apart from an error */
@@ -763,6 +824,7 @@ static void note(notes_t *nt, int kind, int drive, int timed_out, const char *wh
     nt->v[nt->n].kind = kind;
     nt->v[nt->n].drive = drive;
     nt->v[nt->n].timed_out = timed_out;
+    nt->v[nt->n].gen = gen;
     snprintf(nt->v[nt->n].what, sizeof nt->v[nt->n].what, "%s", what);
     nt->n++;
 }
@@ -805,7 +867,7 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
     uint64_t want = (pc->end < jb->f->size ? pc->end : jb->f->size) - pc->start;
     if (jb->done && jb->no_fds) {
         pc->status = RES_NO_FDS; /* read from the primary; nothing against the mirror's health */
-        note(nt, EV_NO_FDS, jb->drive, 0, jb->what);
+        note(nt, EV_NO_FDS, jb->drive, 0, jb->gen, jb->what);
         return;
     }
     if (!jb->done) {
@@ -813,6 +875,10 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
         snprintf(msg, sizeof msg, "timeout at %llu: no answer within %g s", (unsigned long long)jb->off,
                  e->mirror_timeout);
         what = msg;
+    } else if (!jb->usable || ((jb->changed || jb->got < 0 || (uint64_t)jb->got < want) &&
+                               atomic_load(&jb->f->copy_gen[jb->drive]) != jb->gen)) {
+        pc->status = RES_STALE; /* a reload changed the copy meanwhile: read from the primary */
+        return;
     } else if (jb->changed) {
         pc->status = RES_CHANGED;
     } else if (jb->got < 0) {
@@ -828,7 +894,7 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
         return;
     }
     note(nt, pc->status == RES_CHANGED ? EV_MIRROR_CHANGED : EV_MIRROR_FAILED, jb->drive,
-         pc->status == RES_TIMEOUT, what);
+         pc->status == RES_TIMEOUT, jb->gen, what);
 }
 
 /* The mirror pieces' jobs, queued on their drives. Each job holds the file open until it is done:
@@ -838,16 +904,21 @@ static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p
     pthread_mutex_lock(&f->lock);
     f->refs += (int)nm;
     f->jobs += (int)nm;
-    pthread_mutex_unlock(&f->lock);
     size_t j = 0;
     for (size_t i = 0; i < n; i++) {
         if (!pc[i].drive)
             continue;
-        job_t *jb = &p->jobs[j++];
-        *jb = (job_t){.p = p, .f = f, .drive = pc[i].drive, .run = (int)i, .dst = pc[i].dst,
-                      .off = pc[i].start, .len = pc[i].end - pc[i].start};
-        submit(e, jb);
+        int d = pc[i].drive;
+        uint32_t gen = atomic_load(&f->copy_gen[d]);
+        pc[i].gen = gen;
+        p->jobs[j++] = (job_t){.p = p, .f = f, .drive = d, .run = (int)i, .dst = pc[i].dst,
+                               .off = pc[i].start, .len = pc[i].end - pc[i].start,
+                               .want = f->ident[d], .gen = gen,
+                               .usable = (atomic_load(&f->mask) >> d) & 1u};
     }
+    pthread_mutex_unlock(&f->lock);
+    for (size_t k = 0; k < nm; k++)
+        submit(e, &p->jobs[k]);
 }
 
 /* Wait for the jobs (up to the mirror timeout) and judge each. When some time out, how->abandon
@@ -894,6 +965,15 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
     return p ? collect(e, p, nm, pc, n, how, nt) : 0;
 }
 
+/* A copy found changed: not used again for the file, unless a reload validated it since (then its
+ * generation moved: under the lock that file_set_copy changes both under). */
+static void drop_copy(file_t *f, int d, uint32_t gen) {
+    pthread_mutex_lock(&f->lock);
+    if (atomic_load(&f->copy_gen[d]) == gen)
+        atomic_fetch_or(&f->dropped, 1u << d);
+    pthread_mutex_unlock(&f->lock);
+}
+
 /* Every mirror piece that failed (and, with how->reread_timeouts, every one that timed out) is
  * counted against its drive and re-read from the primary in place. 0, or the primary's errno. */
 static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how) {
@@ -902,11 +982,11 @@ static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const readin
         int d = pc[i].drive;
         if (!d || pc[i].status == RES_OK || (pc[i].status == RES_TIMEOUT && !how->reread_timeouts))
             continue;
-        if (pc[i].status != RES_NO_FDS)
+        if (pc[i].status != RES_NO_FDS && pc[i].status != RES_STALE)
             atomic_fetch_add(&e->ctr.drive_errors[d], 1);
         atomic_fetch_add(e->ctr.fallbacks, 1);
         if (pc[i].status == RES_CHANGED)
-            atomic_fetch_or(&f->dropped, 1u << d);
+            drop_copy(f, d, pc[i].gen);
         read_primary(e, f, pc, how, i, 0);
         if (pc[i].err)
             err = pc[i].err;
@@ -921,7 +1001,7 @@ static void note_primary(engine_t *e, piece_t *pc, size_t n, notes_t *nt) {
             char what[200];
             snprintf(what, sizeof what, "read error at %llu: %s", (unsigned long long)pc[i].start,
                      strerror(pc[i].err));
-            note(nt, EV_PRIMARY_FAILED, 0, 0, what);
+            note(nt, EV_PRIMARY_FAILED, 0, 0, 0, what);
             atomic_fetch_add(&e->ctr.drive_errors[0], 1);
             return;
         }
@@ -930,9 +1010,13 @@ static void note_primary(engine_t *e, piece_t *pc, size_t n, notes_t *nt) {
 
 void send_notes(engine_t *e, file_t *f, notes_t *nt) {
     int32_t fi = (int32_t)(f - e->files);
-    for (size_t i = 0; i < nt->n; i++)
-        e->event(e->py, nt->v[i].kind, nt->v[i].drive, fi, nt->v[i].what, nt->v[i].timed_out,
-                 atomic_load(&e->ctr.drive_ok[nt->v[i].drive]));
+    for (size_t i = 0; i < nt->n; i++) {
+        int d = nt->v[i].drive;
+        if (nt->v[i].kind == EV_MIRROR_CHANGED && !(atomic_load(&f->dropped) & (1u << d)))
+            continue; /* a reload validated the copy since: nothing to drop */
+        e->event(e->py, nt->v[i].kind, d, fi, nt->v[i].what, nt->v[i].timed_out,
+                 atomic_load(&e->ctr.drive_ok[d]), nt->v[i].gen);
+    }
     nt->n = 0;
 }
 

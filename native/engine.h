@@ -40,6 +40,8 @@ static inline uint64_t align_up_u64(uint64_t n) { return (n + BLOCK - 1) & ~(uin
                           (unless its mirror comes back up: engine.epoch) */
 #define RETIRED_FDS 8 /* replaced descriptors a file holds while jobs run: past that it keeps the old */
 #define FD_OPENING (-3) /* a drive thread is opening it (without the lock: the open may hang) */
+#define FD_CHANGED (-4) /* the copy opened is not the one validated: dropped for the file (until a
+                           reload validates it again) */
 
 enum node_kind { NODE_DIR = 1, NODE_REG, NODE_LNK, NODE_CONTROL_DIR, NODE_CONTROL_FILE };
 
@@ -77,9 +79,13 @@ typedef struct {
 typedef struct {
     char *relpath;
     uint64_t size;
-    uint32_t mask;             /* replicas holding a valid copy (bit d: drive d; bit 0 always) */
-    _Atomic uint32_t dropped;  /* mirrors changed since mount: never used again for this file */
+    _Atomic uint32_t mask;     /* replicas holding a valid copy (bit d: drive d; bit 0 always) */
+    _Atomic uint32_t dropped;  /* mirrors changed since mount or reload: not used until a reload */
+    /* What each copy must still be (fstat), and its generation: +1 each time a reload changes the
+     * copy (file_set_copy). Lock rules: both change under lock; readers copy ident under lock (a
+     * mirror job takes its copy when it is handed out) and load copy_gen without it. */
     ident_t ident[MAX_REPLICAS];
+    _Atomic uint32_t copy_gen[MAX_REPLICAS];
     /* Run table (colifs.readplan.run_table), independent of the weights: segment i is
      * [start[i], start[i+1]) (the last ends at size), key[i] (-1: header or plain bytes, from the
      * primary), pos[i] its fixed-point routing position, rot[i] its stripe rotation (NOT_STRIPED:
@@ -112,11 +118,16 @@ struct stretch;
 
 /* A piece of a reading: file bytes [start, end) (BLOCK multiples but at the file's end) from one
  * drive, into dst. Set by the reading: got, status, err (the primary's errno). */
-enum { RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT, RES_NO_FDS /* the daemon ran out of descriptors */ };
+enum {
+    RES_OK, RES_FAILED, RES_CHANGED, RES_TIMEOUT,
+    RES_NO_FDS, /* the daemon ran out of descriptors */
+    RES_STALE,  /* a reload changed the copy while the piece was read: nothing against the mirror */
+};
 typedef struct {
     uint64_t start, end;
     int drive; /* 0 once the primary read it (also after a mirror failed) */
     int status, err;
+    uint32_t gen; /* the mirror copy's generation its job read (file_t.copy_gen) */
     char *dst;
     ssize_t got;
 } piece_t;
@@ -127,6 +138,7 @@ typedef struct {
     size_t n;
     struct {
         int kind, drive, timed_out;
+        uint32_t gen; /* the copy's generation the reading used (file_t.copy_gen) */
         char what[200];
     } v[MAX_NOTES];
 } notes_t;
@@ -251,7 +263,7 @@ typedef struct engine {
     int (*xattr)(void *py, uint64_t ino, const char *name, char **data, size_t *len);
     int (*listxattr)(void *py, uint64_t ino, char **data, size_t *len);
     void (*event)(void *py, int kind, int drive, int32_t file, const char *text, int timed_out,
-                  uint64_t successes);
+                  uint64_t successes, uint32_t gen); /* gen: the copy's generation (EV_MIRROR_CHANGED) */
 } engine_t;
 
 /* fs.c */
@@ -286,6 +298,10 @@ int file_open_locked(engine_t *e, file_t *f); /* f->lock held */
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
 int set_routes(engine_t *e, const uint8_t *data, size_t len); /* 0, or -1 when they are invalid */
+/* A reload's verdict on f's copy on drive d (d > 0): valid as `ident` (NULL: not usable). The
+ * descriptor held for the old copy retires (closed once no job reads it). 0, or EBUSY when f holds
+ * too many retired descriptors already (try again once its jobs are done). */
+int file_set_copy(file_t *f, int d, const ident_t *ident);
 uint32_t segment_at(const file_t *f, uint64_t off); /* the run-table segment holding off */
 
 /* passthrough.c */

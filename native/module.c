@@ -76,11 +76,12 @@ static int py_listxattr(void *py, uint64_t ino, char **data, size_t *len) {
 }
 
 static void py_event(void *py, int kind, int drive, int32_t file, const char *text, int timed_out,
-                     uint64_t successes) {
+                     uint64_t successes, uint32_t gen) {
     EngineObject *self = py;
     PyGILState_STATE g = PyGILState_Ensure();
-    PyObject *r = PyObject_CallFunction(self->event, "iiiy#iK", kind, drive, (int)file, text,
-                                        (Py_ssize_t)strlen(text), timed_out, (unsigned long long)successes);
+    PyObject *r = PyObject_CallFunction(self->event, "iiiy#iKI", kind, drive, (int)file, text,
+                                        (Py_ssize_t)strlen(text), timed_out, (unsigned long long)successes,
+                                        (unsigned int)gen);
     if (!r)
         PyErr_WriteUnraisable(self->event);
     Py_XDECREF(r);
@@ -275,7 +276,7 @@ static int load_file(engine_t *e, file_t *f, PyObject *t) {
     if (!f->relpath)
         return -1;
     f->size = size;
-    f->mask = mask | 1u;
+    atomic_init(&f->mask, mask | 1u);
     pthread_mutex_init(&f->lock, NULL);
     pthread_cond_init(&f->opened, NULL);
     for (int d = 0; d < MAX_REPLICAS; d++)
@@ -622,6 +623,34 @@ static PyObject *Engine_set_up(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* set_copy(file, drive, identity or None): a reload's verdict on one mirror copy (False: the file
+ * holds too many retired descriptors now; ask again once its reads are done). */
+static PyObject *Engine_set_copy(EngineObject *self, PyObject *args) {
+    unsigned int file;
+    int drive;
+    PyObject *id;
+    if (!PyArg_ParseTuple(args, "IiO", &file, &drive, &id))
+        return NULL;
+    if (drive < 1 || drive >= self->e.nrep || file >= self->e.nfiles) {
+        PyErr_SetString(PyExc_ValueError, "no such mirror or file");
+        return NULL;
+    }
+    ident_t ident;
+    if (id != Py_None) {
+        unsigned long long dev, ino, sz;
+        long long mt;
+        if (!PyArg_ParseTuple(id, "KKKL", &dev, &ino, &sz, &mt))
+            return NULL;
+        ident = (ident_t){dev, ino, sz, mt};
+    }
+    int err;
+    /* It waits for the file's lock, which a primary open holds while it may call into Python. */
+    Py_BEGIN_ALLOW_THREADS
+    err = file_set_copy(&self->e.files[file], drive, id == Py_None ? NULL : &ident);
+    Py_END_ALLOW_THREADS
+    return PyBool_FromLong(err == 0);
+}
+
 static PyObject *Engine_set_routes(EngineObject *self, PyObject *args) {
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "y*", &b))
@@ -758,6 +787,9 @@ static PyMethodDef Engine_methods[] = {
     {"set_up", (PyCFunction)Engine_set_up, METH_VARARGS, "set_up(drive, up): route to a mirror or not."},
     {"set_speeds", (PyCFunction)Engine_set_speeds, METH_VARARGS,
      "set_speeds(speeds): bytes/s each drive delivered lately (0: not known), for --routing queue."},
+    {"set_copy", (PyCFunction)Engine_set_copy, METH_VARARGS,
+     "set_copy(file, drive, identity or None): a reload's verdict on a mirror copy (False: busy, "
+     "ask again)."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,

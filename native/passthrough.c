@@ -88,7 +88,7 @@ static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
     } else if (!atomic_exchange(&e->pt_refused, 1)) {
         int saved = errno;
         e->event(e->py, EV_NO_PASSTHROUGH, 0, -1,
-                 "the kernel does not offer it (Linux 6.9 or newer with CONFIG_FUSE_PASSTHROUGH)", 0, 0);
+                 "the kernel does not offer it (Linux 6.9 or newer with CONFIG_FUSE_PASSTHROUGH)", 0, 0, 0);
         errno = saved;
     }
     return n;
@@ -175,7 +175,7 @@ int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
     if (!err)
         atomic_fetch_add(&e->ctr.passthrough[3], 1);
     if (why[0])
-        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, why, 0, 0);
+        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, why, 0, 0, 0);
     return err;
 }
 

@@ -95,6 +95,19 @@ class OpenFile:
                 self.usable.discard(d)
                 self.detached.add(d)
 
+    def swap(self, drive: int, again: bool) -> None:
+        """A reload changed the mirror's copy: its descriptor retires (closed with the file), and
+        the copy is opened `again` at the next read, or not used."""
+        fd = self.fds[drive]
+        if fd is not None:
+            self.retired.append((drive, fd))
+            self.fds[drive] = None
+        self.usable.discard(drive)
+        if again:
+            self.detached.add(drive)
+        else:
+            self.detached.discard(drive)
+
     def stop_using(self, drive: int) -> None:
         """A mirror copy that changed: no more reads from it (its descriptor closes with the file)."""
         self.usable.discard(drive)
@@ -160,10 +173,11 @@ class Reader:
             if i not in f.copies:
                 continue
             epoch = self._epoch[i]  # before the open: a comeback while it runs renews it
+            ident = f.identities[i]  # a reload while the open runs may validate another copy
             try:
                 late = functools.partial(self._close_late, i)
                 path = self._path(i, f)
-                fd = await self.workers[i].run(open_checked, self.io, path, f.identities[i], on_late=late)
+                fd = await self.workers[i].run(open_checked, self.io, path, ident, on_late=late)
             except OSError as e:
                 if e.errno in OUT_OF_DESCRIPTORS:
                     self.mirrors.out_of_descriptors(f, i)
@@ -172,9 +186,21 @@ class Reader:
             except TimedOut as e:
                 self.mirrors.read_failed(f, i, f"cannot open ({describe(e)})", True)
             except Changed as e:
-                self.mirrors.changed(f, i, str(e))
+                self.mirrors.changed(f, i, str(e), e.expected)
             else:
-                of.attach(i, fd, epoch)
+                if f.identities.get(i) == ident:
+                    of.attach(i, fd, epoch)
+                else:  # a reload dropped or replaced the copy meanwhile (it queued it again, if valid)
+                    self._close(i, fd)
+
+    def set_copy(self, f: ServedFile, drive: int, identity: Identity | None) -> bool:
+        """A reload's verdict on a mirror copy (colifs.reload): an open file stops reading the old
+        copy (its descriptor closes with the file: a read may still be using it) and opens the new
+        one at its next read. Always taken at once (True)."""
+        of = self._open.get(f.relpath)
+        if of is not None:
+            of.swap(drive, identity is not None)
+        return True
 
     def open_files(self) -> int:
         """Files with descriptors open now (0 once every open was released)."""
@@ -345,8 +371,8 @@ class Reader:
         if isinstance(result, outcome.Error) and isinstance(result.error, Changed):
             self.stats.failed(d, f"changed since mount: {result.error}")
             self.stats.fell_back()
-            self.mirrors.changed(of.file, d, str(result.error))
-            of.stop_using(d)
+            if self.mirrors.changed(of.file, d, str(result.error), result.error.expected):
+                of.stop_using(d)
             return False
         timed_out = False
         if isinstance(result, outcome.Error):

@@ -6,7 +6,8 @@ mirrors them, then times `colifs mount` (until it is serving) against the cost o
 headers (what a mount must at least do), `colifs umount`, and reads the daemon's RSS. Then again
 with a partial mirror (every other shard) and a usage history covering every key: the mount
 computes partial-mirror routing, 1 MiB of every shard is read, and the unmount saves the usage
-(merged into the history file). Each measured for both engines.
+(merged into the history file). Each measured for both engines, with a `colifs reload` of the
+mount (every header checked again, nothing changed).
 Usage: python contrib/bench/mount_scale.py [WORKDIR]
 """
 
@@ -128,6 +129,15 @@ def timed_mount(colifs: list[str], dirs: list[Path], mnt: Path, *flags: str) -> 
     return t, st, next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
 
 
+def timed_reload(colifs: list[str], mnt: Path) -> tuple[float, float]:
+    """(seconds `colifs reload` took, the daemon's own figure), caches dropped first."""
+    drop_caches()
+    t0 = time.monotonic()
+    subprocess.run([*colifs, "reload", str(mnt)], check=True, capture_output=True)
+    t = time.monotonic() - t0
+    return t, json.loads((mnt / ".colifs" / "stats.json").read_text())["reload"]["last"]["seconds"]
+
+
 def main() -> int:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="colifs-scale-"))
     primary, mirror, mnt = work / "p", work / "m", work / "mnt"
@@ -141,13 +151,14 @@ def main() -> int:
         print(f"parsing every header of both replicas (a fresh python, cold cache, best of 3): {floor:.2f} s")
         for engine in ("native", "pyfuse3"):  # side by side: the native engine also builds run tables
             t_mount, st, rss = timed_mount(colifs, [primary, mirror], mnt, "--engine", engine)
+            t_reload, in_daemon = timed_reload(colifs, mnt)
             t0 = time.monotonic()
             subprocess.run([*colifs, "umount", str(mnt)], check=True)
             t_umount = time.monotonic() - t0
             usable = sum(1 for f in st["files"].values() if len(f["replicas"]) == 2)
             print(
                 f"{engine:>7}: mount (until serving) {t_mount:.2f} s = {t_mount / floor:.2f}x parsing   "
-                f"umount {t_umount:.2f} s   "
+                f"reload {t_reload:.2f} s ({in_daemon:.2f} in the daemon)   umount {t_umount:.2f} s   "
                 f"daemon RSS {rss / 1024:.0f} MiB   ({usable} shards mirrored)"
             )
         for p in sorted(mirror.glob("*.safetensors"))[::2]:
@@ -158,6 +169,7 @@ def main() -> int:
             flags = ("--usage-file", str(history), "--engine", engine)
             t_mount, st, rss = timed_mount(colifs, [primary, mirror], mnt, *flags)
             partial = st["partial_mirror"]
+            t_reload, in_daemon = timed_reload(colifs, mnt)
             for p in sorted(primary.glob("*.safetensors")):
                 with open(mnt / p.name, "rb") as f:
                     f.read(1 << 20)
@@ -167,6 +179,7 @@ def main() -> int:
             print(
                 f"{engine:>7}, partial mirror + usage history of {size / 1e6:.1f} MB: "
                 f"mount {t_mount:.2f} s = {t_mount / floor:.2f}x parsing   "
+                f"reload {t_reload:.2f} s ({in_daemon:.2f} in the daemon)   "
                 f"umount (saving the usage) {t_umount:.2f} s   daemon RSS {rss / 1024:.0f} MiB   "
                 f"mirror coverage {partial['coverage'][1]:.1%}"
             )

@@ -19,9 +19,11 @@ def test_the_systemd_unit_and_the_fstab_example_are_valid(tmp_path: Path) -> Non
     contrib = ROOT / "contrib" / "systemd"
     unit = (contrib / "colifs-model.service").read_text()
     commands = [
-        line.split("=", 1)[1] for line in unit.splitlines() if line.startswith(("ExecStart=", "ExecStop="))
+        line.split("=", 1)[1]
+        for line in unit.splitlines()
+        if line.startswith(("ExecStart=", "ExecStop=", "ExecReload="))
     ]
-    assert len(commands) == 2
+    assert len(commands) == 3
     for cmd in commands:  # every flag the example uses is a real colifs flag
         words = shlex.split(cmd)
         assert words[0] == "/opt/colifs/bin/colifs"

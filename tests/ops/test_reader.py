@@ -92,7 +92,8 @@ def test_failing_mirror_falls_back_then_leaves_the_routing(model, fault, caplog)
     io.fail(str(mirror), fault)
     with caplog.at_level(logging.WARNING, logger="colifs"):
         run(rig, lambda: read_ranges(ops, primary, 100))
-    messages = [r.getMessage() for r in caplog.records]
+    # The rig's copies are directories on one disk: the mount says so (one warning, tested apart).
+    messages = [r.getMessage() for r in caplog.records if "are on one drive" not in r.getMessage()]
     per_file = [m for m in messages if "reading from the primary instead" in m]
     down = [m for m in messages if "failures in a row" in m]
     assert len(down) == 1  # taken out once (nothing checks it again without a mount)

@@ -1,0 +1,201 @@
+"""Reload while serving (`colifs reload`, SIGHUP): mirrors checked again, copies added and dropped,
+no reader disturbed. Every mirror ends as it was at mount (a copy is moved away and back, as
+`colifs stage` publishes one by a rename), so `mounted` still checks it was never written."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import force_unmount, mounted, read_direct, refuse, run_colifs, shards
+
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
+
+def reload(mnt: Path) -> list[str]:
+    out = run_colifs("reload", str(mnt))
+    assert out.returncode == 0, out.stderr
+    return out.stdout.splitlines()
+
+
+def mirror_bytes(m) -> int:
+    return m.stats()["replicas"][1]["bytes_served"]
+
+
+def test_a_copy_staged_while_mounted_serves_after_a_reload(model) -> None:
+    primary, mirror, mnt = model
+    shard = shards(mirror)[0]
+    aside = shard.with_name(shard.name + ".aside")
+    shard.rename(aside)  # a partial mirror at mount
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        size = shard.stat().st_size if shard.exists() else aside.stat().st_size
+        assert m.stats()["files"][shard.name]["replicas"] == [str(primary)]
+        before = mirror_bytes(m)
+        assert read_direct(mnt / shard.name, 0, size) == (primary / shard.name).read_bytes()
+        assert mirror_bytes(m) == before  # not on the mirror: all from the primary
+
+        aside.rename(shard)  # staged, as `colifs stage` publishes a copy
+        lines = reload(mnt)
+        assert lines == [f"mirror {mirror}: 1 files added, 0 dropped, 3 model files served"], lines
+        st = m.stats()
+        assert st["files"][shard.name]["replicas"] == [str(primary), str(mirror)]
+        assert st["reload"]["count"] == 1 and st["reload"]["last"]["mirrors"][0]["added"] == [shard.name]
+        before = mirror_bytes(m)
+        assert read_direct(mnt / shard.name, 0, size) == (primary / shard.name).read_bytes()
+        assert mirror_bytes(m) > before  # the new copy takes its share
+
+        shard.rename(aside)  # and taken away again: dropped, the mirror as it was at mount
+        assert reload(mnt) == [f"mirror {mirror}: 0 files added, 1 dropped, 2 model files served"]
+        before = mirror_bytes(m)
+        assert read_direct(mnt / shard.name, 0, size) == (primary / shard.name).read_bytes()
+        assert mirror_bytes(m) == before
+        assert m.stats()["fallbacks"] == 0
+    aside.rename(shard)
+
+
+@pytest.mark.daemon_warns(r"header differs")
+def test_a_reload_that_finds_a_changed_copy_drops_only_that_file(model) -> None:
+    primary, mirror, mnt = model
+    first, *others = shards(mirror)
+    original = first.with_name(first.name + ".orig")
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        data = bytearray(first.read_bytes())
+        data[9] ^= 0x20  # the same size, a header that differs
+        first.rename(original)
+        first.write_bytes(bytes(data))
+        try:
+            assert reload(mnt) == [f"mirror {mirror}: 0 files added, 1 dropped, 2 model files served"]
+            files = m.stats()["files"]
+            assert files[first.name]["replicas"] == [str(primary)]
+            assert "header differs" in files[first.name]["note"]
+            assert all(files[p.name]["replicas"] == [str(primary), str(mirror)] for p in others)
+            for p in shards(primary):
+                assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+        finally:
+            original.replace(first)
+        assert reload(mnt) == [f"mirror {mirror}: 1 files added, 0 dropped, 3 model files served"]
+
+
+@pytest.mark.daemon_warns(r"changed since mount", r"header differs")
+def test_readers_stream_through_many_reloads_and_get_every_byte(model, tmp_path: Path) -> None:
+    """Four readers (O_DIRECT and mmap) read every file over and over while 30 reloads come and go;
+    between them a mirror copy is swapped (a rename, as `colifs stage` publishes) for one with a
+    different header, then for the original again: no reader error, every byte right, and the
+    original copy serves once it is back."""
+    primary, mirror, mnt = model
+    shard = shards(mirror)[-1]
+    original, bad, swap = tmp_path / "original", tmp_path / "bad", mirror / ".swap"
+    os.link(shard, original)
+    data = bytearray(shard.read_bytes())
+    data[9] ^= 0x20
+    bad.write_bytes(bytes(data))
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    rounds = [0] * 4
+
+    def reader(k: int) -> None:
+        try:
+            while not stop.is_set():
+                for name, data in want.items():
+                    if k % 2:
+                        with open(mnt / name, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                            assert mm[:] == data, name
+                    else:
+                        assert read_direct(mnt / name, 0, len(data)) == data, name
+                rounds[k] += 1
+        except BaseException as e:
+            errors.append(e)
+
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        pool = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        for t in pool:
+            t.start()
+        try:
+            for i in range(30):
+                os.link(bad if i % 2 == 0 else original, swap)
+                swap.replace(shard)
+                reload(mnt)
+        finally:
+            stop.set()
+            for t in pool:
+                t.join()
+        assert not errors, errors[0]
+        st = m.stats()
+        assert st["reload"]["count"] == 30 and min(rounds) >= 1, rounds
+        assert st["files"][shard.name]["replicas"] == [str(primary), str(mirror)]  # the original, last
+        before = mirror_bytes(m)
+        assert read_direct(mnt / shard.name, 0, len(want[shard.name])) == want[shard.name]
+        assert mirror_bytes(m) > before
+
+
+def test_sighup_reloads_and_keeps_serving(model) -> None:
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        os.kill(m.stats()["pid"], signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while m.stats()["reload"]["count"] == 0:
+            assert time.monotonic() < deadline, "no reload after SIGHUP"
+            time.sleep(0.05)
+        last = m.stats()["reload"]["last"]
+        assert last["mirrors"][0] == {
+            "path": str(mirror),
+            "checked": True,
+            "added": [],
+            "dropped": [],
+            "busy": [],
+            "model_files": 3,
+        }
+        for p in shards(primary):
+            assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+
+
+@pytest.mark.daemon_warns(r"the primary changed since mount")
+def test_a_reload_says_when_the_primary_changed(model) -> None:
+    primary, mirror, mnt = model
+    first = shards(primary)[0]
+    with mounted(primary, [mirror], mnt, "--weights", "1,1"):
+        st = first.stat()
+        os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        out = reload(mnt)
+        assert out[-1] == f"primary {first.name}: changed since mount; served as before (remount to serve it)"
+
+
+def test_stage_onto_a_mirror_a_mount_uses_makes_it_serve_the_new_copies(model) -> None:
+    """`colifs plan` names the live mount that uses the mirror; `colifs stage` copies onto it and
+    has that mount reload: the staged copies serve (vouched by the receipt), no remount."""
+    primary, _, mnt = model
+    mirror = primary.parent / "empty"
+    mirror.mkdir()
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt), "--weights", "1,1")
+    assert out.returncode == 0, out.stderr
+    try:
+        plan = run_colifs("plan", str(primary), str(mirror), "--budget", "1T")
+        assert plan.returncode == 0 and f"served by: {mnt}" in plan.stdout, plan.stdout
+        staged = run_colifs("stage", str(primary), str(mirror), "--budget", "1T", "-q")
+        assert staged.returncode == 0, staged.stderr
+        said = f"{mnt} reloaded, mirror {mirror}: 3 files added, 0 dropped, 3 model files served"
+        assert said in staged.stdout, staged.stdout
+        stats = mnt / ".colifs" / "stats.json"
+        st = json.loads(stats.read_text())
+        for p in shards(primary):
+            assert st["files"][p.name]["replicas"] == [str(primary), str(mirror)]
+            assert st["files"][p.name]["vouched_by_receipt"] == [str(mirror)]
+        before = st["replicas"][1]["bytes_served"]
+        for p in shards(primary):
+            assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+        assert json.loads(stats.read_text())["replicas"][1]["bytes_served"] > before
+    finally:
+        run_colifs("umount", str(mnt))
+        force_unmount(mnt)
+
+
+def test_reload_of_what_is_not_a_mount_is_one_line(tmp_path: Path) -> None:
+    refuse(["reload", str(tmp_path)], 3, "is not a colifs mount")

@@ -1,0 +1,95 @@
+"""What a reload finds (colifs.reload.recheck) and how the catalogue takes it, without a mount."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import trio
+
+from colifs.catalogue import build_files
+from colifs.checks import check_roots
+from colifs.health import Health
+from colifs.reload import Reloader, Reloads, recheck
+from colifs.synth import write_checkpoint
+from colifs.tree import Tree
+
+
+def catalogue(tmp_path: Path, mirrored: int) -> tuple[Tree, dict, list, Path, Path]:
+    """A 3-shard checkpoint and a mirror holding the first `mirrored` shards."""
+    primary, mirror = tmp_path / "p", tmp_path / "m"
+    write_checkpoint(str(primary), "deepseek", layers=3, experts=8, hidden=64, inter=32, shards=3)
+    shutil.copytree(primary, mirror)
+    for p in sorted(mirror.glob("*.safetensors"))[mirrored:]:
+        p.unlink()
+    replicas = check_roots([str(primary), str(mirror)], [1.0, 1.0])
+    tree = Tree(str(primary))
+    return tree, build_files(tree, replicas), replicas, primary, mirror
+
+
+def by_name(files: dict) -> dict:
+    return {f.relpath: f for f in files.values() if f.is_model}
+
+
+def test_nothing_changed_nothing_found(tmp_path: Path) -> None:
+    tree, files, replicas, _, _ = catalogue(tmp_path, 3)
+    assert recheck(tree, files, replicas) == ([], [])
+
+
+def test_a_copy_added_changed_and_gone(tmp_path: Path) -> None:
+    tree, files, replicas, primary, mirror = catalogue(tmp_path, 2)
+    names = sorted(by_name(files))
+    shutil.copy2(primary / names[2], mirror / names[2])  # staged: added
+    (mirror / names[0]).unlink()  # gone: dropped
+    fresh = mirror / "fresh"  # the same bytes in a new file (a new inode): a new identity, valid
+    fresh.write_bytes((mirror / names[1]).read_bytes())
+    fresh.replace(mirror / names[1])
+    verdicts, primary_changed = recheck(tree, files, replicas)
+    got = {files[v.ino].relpath: (v.identity is not None, v.why) for v in verdicts}
+    assert got == {names[0]: (False, "missing"), names[1]: (True, "changed"), names[2]: (True, "added")}
+    assert primary_changed == [] and all(v.drive == 1 for v in verdicts)
+
+
+def test_a_primary_that_changed_is_said_and_its_file_left_alone(tmp_path: Path) -> None:
+    tree, files, replicas, primary, mirror = catalogue(tmp_path, 3)
+    first = sorted(by_name(files))[0]
+    data = bytearray((mirror / first).read_bytes())
+    data[9] ^= 0x20
+    (mirror / first).write_bytes(bytes(data))
+    os.utime(primary / first, ns=(0, 1))  # the primary changed too: said, and left alone
+    verdicts, primary_changed = recheck(tree, files, replicas)
+    assert verdicts == [] and primary_changed == [first]
+
+
+def test_the_reloader_puts_the_verdicts_in_force_and_counts(tmp_path: Path) -> None:
+    tree, files, replicas, primary, mirror = catalogue(tmp_path, 2)
+    names = sorted(by_name(files))
+    shutil.copy2(primary / names[2], mirror / names[2])
+    calls, busy, reweighed = [], [True], []
+
+    def set_copy(f, drive, identity) -> bool:
+        if busy[0]:  # the first try finds the file busy: asked again
+            busy[0] = False
+            return False
+        calls.append((f.relpath, drive, identity is not None))
+        return True
+
+    record = Reloads()
+    health = [Health() for _ in replicas]
+    reloader = Reloader(tree, files, replicas, health, set_copy, lambda: reweighed.append(1), record)
+    shown = trio.run(reloader.reload)
+    assert calls == [(names[2], 1, True)] and reweighed == [1]
+    assert by_name(files)[names[2]].copies == (0, 1) and 1 in by_name(files)[names[2]].identities
+    assert shown["count"] == 1 and shown["last"]["mirrors"] == [
+        {
+            "path": str(mirror),
+            "checked": True,
+            "added": [names[2]],
+            "dropped": [],
+            "busy": [],
+            "model_files": 3,
+        }
+    ]
+    assert trio.run(reloader.reload)["last"]["mirrors"][0]["added"] == []  # in force: nothing new
+    assert reweighed == [1] and record.count == 2
