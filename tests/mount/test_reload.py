@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import shutil
 import signal
 import threading
 import time
@@ -14,7 +15,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import force_unmount, mounted, read_direct, refuse, run_colifs, shards
+from tests.helpers import (
+    HOT,
+    force_unmount,
+    learn_usage,
+    mounted,
+    read_direct,
+    refuse,
+    run_colifs,
+    shards,
+    skewed_model,
+)
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
@@ -195,6 +206,37 @@ def test_stage_onto_a_mirror_a_mount_uses_makes_it_serve_the_new_copies(model) -
     finally:
         run_colifs("umount", str(mnt))
         force_unmount(mnt)
+
+
+def test_a_reload_that_completes_a_partial_mirror_routes_it_as_full(tmp_path: Path) -> None:
+    """A partial mirror (the hot shards of a usage history) gets more than its plain weight for the
+    files it holds; once a reload finds every shard there, the correction is gone and the weights
+    in force are the plain ones again."""
+    primary, ranges, hot, cold = skewed_model(tmp_path)
+    learn_usage(primary, ranges, hot, cold, tmp_path / "learn")
+    mirror = tmp_path / "m"
+    mirror.mkdir()
+    for name in HOT:
+        shutil.copy2(primary / name, mirror / name)
+    rest = [p for p in shards(primary) if p.name not in HOT]
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        partial = m.stats()["partial_mirror"]
+        assert partial is not None and 0 < partial["coverage"][1] < 1
+        assert m.stats()["reload"]["started"] == 0
+        aside = tmp_path / "aside"
+        aside.mkdir()
+        for p in rest:  # staged while mounted: copied aside, published by a rename
+            shutil.copy2(p, aside / p.name)
+            (aside / p.name).rename(mirror / p.name)
+        try:
+            assert reload(m.path) == [
+                f"mirror {mirror}: {len(rest)} files added, 0 dropped, 8 model files served"
+            ]
+            st = m.stats()
+            assert st["partial_mirror"] is None and st["balance"]["shares"] == [0.5, 0.5]
+        finally:
+            for p in rest:
+                (mirror / p.name).unlink()  # the mirror as it was at mount
 
 
 def test_reload_of_what_is_not_a_mount_is_one_line(tmp_path: Path) -> None:
