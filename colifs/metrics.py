@@ -87,6 +87,19 @@ def prometheus(st: dict) -> str:
         "Times the weights in force changed while serving.",
         [({"mountpoint": m}, st["balance"]["changes"])],
     )
+    reload = st.get("reload") or {}  # an older daemon's stats.json has none
+    lines += _family(
+        "reloads",
+        "counter",
+        "Reloads (colifs reload, SIGHUP) the mount ran: its mirrors checked again while serving.",
+        [({"mountpoint": m}, reload.get("count", 0))],
+    )
+    served = [
+        ({"mountpoint": m, "replica": r["name"], "path": r["path"]},
+         sum(1 for f in st["files"].values() if r["path"] in f["replicas"]))
+        for r in reps
+    ]  # fmt: skip
+    lines += _family("model_files", "gauge", "Model files each replica's copies serve now.", served)
     lines += _family(
         "fallbacks",
         "counter",

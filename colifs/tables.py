@@ -3,6 +3,7 @@ each takes what the command gathered (mostly the JSON it also prints with --json
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Sequence
 
@@ -26,6 +27,7 @@ def stats_table(mountpoint: str, data: dict) -> list[str]:
             f"  {_state(r.get('health'))}"
         )
     lines += _weight_change(balance)
+    lines += _last_reload(data.get("reload") or {})
     lines.append(f"fallbacks {data['fallbacks']}")
     partial = data.get("partial_mirror")
     if partial:
@@ -50,6 +52,17 @@ def _weight_change(balance: dict) -> list[str]:
     before = " / ".join(f"{x:.0%}" for x in last["shares_before"])
     after = " / ".join(f"{x:.0%}" for x in last["shares_after"])
     return [f"weights changed {balance['changes']} times; last: {before} -> {after} ({last['why']})"]
+
+
+def _last_reload(reload: dict) -> list[str]:
+    last = reload.get("last") or {}
+    if not last:
+        return []
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last["at"]))
+    if "error" in last:
+        return [f"reloads {reload['count']}; the last, at {when}, failed: {last['error']}"]
+    what = "; ".join(f"{m['path']} +{len(m['added'])} -{len(m['dropped'])}" for m in last["mirrors"])
+    return [f"reloads {reload['count']}; last at {when} ({last['seconds']:g} s): {what}"]
 
 
 def _rate(replica: dict) -> str:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import (
     HOT,
@@ -58,6 +59,13 @@ def test_a_copy_staged_while_mounted_serves_after_a_reload(model) -> None:
         st = m.stats()
         assert st["files"][shard.name]["replicas"] == [str(primary), str(mirror)]
         assert st["reload"]["count"] == 1 and st["reload"]["last"]["mirrors"][0]["added"] == [shard.name]
+        shown = run_colifs("stats", str(mnt)).stdout
+        assert "reloads 1; last at" in shown and f"{mirror} +1 -0" in shown, shown
+        prom = run_colifs("stats", str(mnt), "--prometheus").stdout
+        families = {f.name: f for f in text_string_to_metric_families(prom)}
+        assert [x.value for x in families["colifs_reloads"].samples] == [1]
+        files = {x.labels["replica"]: x.value for x in families["colifs_model_files"].samples}
+        assert files == {"primary": 3, "mirror": 3}
         before = mirror_bytes(m)
         assert read_direct(mnt / shard.name, 0, size) == (primary / shard.name).read_bytes()
         assert mirror_bytes(m) > before  # the new copy takes its share
