@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from colifs import __version__
 from colifs.config import DEFAULT_EXTENT_BUFFER_MIB, ENGINE_ENV, ENGINES, WEIGHTS_ENV
-from colifs.errors import QuietError, UsageError
+from colifs.errors import EXIT_NOT_RELOADED, QuietError, UsageError
 
 
 def parser() -> argparse.ArgumentParser:
@@ -471,7 +471,7 @@ def _reload_users(mirror: str, say: Callable[[str], None]) -> int:
             last = reload(mnt, 120.0)
         except QuietError as e:
             say(f"{mnt} not reloaded: {e}; run colifs reload {mnt}")
-            failed = e.exit_code
+            failed = EXIT_NOT_RELOADED
             continue
         for m in last["mirrors"]:
             if os.path.realpath(m["path"]) == os.path.realpath(mirror):

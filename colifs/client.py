@@ -8,9 +8,11 @@ import errno
 import json
 import os
 import signal
+import sys
+import threading
 import time
 
-from colifs.errors import BusyError, NotMountedError, QuietError, UsageError
+from colifs.errors import BusyError, NotMountedError, NotReloadedError, QuietError, UsageError
 from colifs.kernel import colifs_mounts, mount_type
 from colifs.namespace import CONTROL_DIR, ROUTE_XATTR
 from colifs.unmount import Busy, UnmountFailed, describe, unmount
@@ -82,39 +84,70 @@ def reload(mountpoint: str, timeout: float) -> dict:
     mnt = os.path.realpath(mountpoint)
     if mount_type(mnt) != "fuse.colifs":
         raise NotMountedError(f"{mnt} is not a colifs mount")
-    before = read_stats(mnt)
+    deadline = time.monotonic() + timeout
+    before = _answer(mnt, deadline, timeout)
     try:
         pid, started = int(before["pid"]), int(before["reload"]["started"])
     except (KeyError, TypeError, ValueError):
-        raise QuietError(f"the daemon of {mnt} cannot reload (an older colifs: remount it)") from None
+        raise NotReloadedError(f"the daemon of {mnt} cannot reload (an older colifs: remount it)") from None
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:
         raise NotMountedError(f"{mnt}: stale mount, its daemon is gone") from None
     except PermissionError:
-        raise QuietError(f"not allowed to signal the daemon of {mnt} (pid {pid}): run as its user") from None
-    deadline = time.monotonic() + timeout
-    while (now := read_stats(mnt)["reload"])["count"] <= started:  # one in progress ends first
-        if time.monotonic() > deadline:
-            raise QuietError(f"the daemon of {mnt} did not reload within {timeout:g} s")
+        raise NotReloadedError(
+            f"not allowed to signal the daemon of {mnt} (pid {pid}): run as its user"
+        ) from None
+    while (now := _answer(mnt, deadline, timeout)["reload"])[
+        "count"
+    ] <= started:  # one in progress ends first
         time.sleep(0.05)
     if "error" in now["last"]:
-        raise QuietError(f"{mnt}: reload failed ({now['last']['error']}); it serves as before")
+        raise NotReloadedError(f"{mnt}: reload failed ({now['last']['error']}); it serves as before")
     return now["last"]
 
 
-def mounts_using(mirror: str) -> list[str]:
-    """The live colifs mounts that serve the directory `mirror` as one of their mirrors."""
+def _answer(mnt: str, deadline: float, timeout: float) -> dict:
+    """The mount's stats.json, before the deadline."""
+    st = _stats_within(mnt, deadline - time.monotonic())
+    if st is None or time.monotonic() > deadline:
+        raise NotReloadedError(
+            f"the daemon of {mnt} did not reload within {timeout:g} s; it serves as before"
+        )
+    if not st:
+        raise NotMountedError(f"{mnt}: no longer a live colifs mount")
+    return st
+
+
+def mounts_using(mirror: str, wait: float = 5.0) -> list[str]:
+    """The live colifs mounts that serve the directory `mirror` as one of their mirrors. A mount
+    whose daemon does not answer within `wait` seconds is left out, and said on stderr."""
     want = os.path.realpath(mirror)
     out = []
     for mnt in colifs_mounts():
-        try:
-            replicas = read_stats(mnt)["replicas"][1:]
-        except (NotMountedError, KeyError, ValueError):
-            continue  # stale, or not answering as a colifs daemon does
-        if any(os.path.realpath(r["path"]) == want for r in replicas):
+        st = _stats_within(mnt, wait)
+        if st is None:
+            print(f"colifs: {mnt}: its daemon does not answer; not checked", file=sys.stderr)
+        elif any(os.path.realpath(r.get("path", "")) == want for r in st.get("replicas", [])[1:]):
             out.append(mnt)
     return out
+
+
+def _stats_within(mnt: str, wait: float) -> dict | None:
+    """The mount's stats.json ({} when it is not a colifs daemon that answers as one), or None
+    after `wait` s: a hung daemon's read may never return, so it runs on a thread left behind."""
+    got: list[dict] = []
+
+    def read() -> None:
+        try:
+            got.append(read_stats(mnt))
+        except (NotMountedError, ValueError):
+            got.append({})  # stale, or not answering as a colifs daemon does
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    t.join(max(wait, 0.0))
+    return got[0] if got else None
 
 
 def route(path: str, offset: int) -> dict:

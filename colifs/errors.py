@@ -6,6 +6,7 @@ from __future__ import annotations
 EXIT_USAGE = 2
 EXIT_NOT_MOUNTED = 3
 EXIT_BUSY = 6  # `colifs umount`: a process still has a file of the mount open or mapped
+EXIT_NOT_RELOADED = 7  # `colifs reload` (or `stage`'s): the mount did not reload; it serves as before
 EXIT_MOUNT_FAILED = 32  # same meaning as mount(8)'s 32: "mount failure"
 
 
@@ -30,6 +31,12 @@ class MountError(QuietError):
     """The filesystem could not be mounted; nothing is left mounted."""
 
     exit_code = EXIT_MOUNT_FAILED
+
+
+class NotReloadedError(QuietError):
+    """A mount did not reload (no answer in time, not allowed, failed): it serves as before."""
+
+    exit_code = EXIT_NOT_RELOADED
 
 
 class NotMountedError(QuietError):

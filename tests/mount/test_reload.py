@@ -247,5 +247,28 @@ def test_a_reload_that_completes_a_partial_mirror_routes_it_as_full(tmp_path: Pa
                 (mirror / p.name).unlink()  # the mirror as it was at mount
 
 
+def test_plan_and_reload_are_not_held_up_by_a_mount_that_does_not_answer(model) -> None:
+    """A colifs mount whose daemon is stopped (SIGSTOP): `colifs plan` still answers, and says it
+    could not ask that mount whether it uses the mirror; `colifs reload` gives up at its timeout
+    (one line, exit 7)."""
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        pid = m.stats()["pid"]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            plan = run_colifs("plan", str(primary), str(mirror), "--budget", "1T")
+            took = time.monotonic() - t0
+            t0 = time.monotonic()
+            refuse(["reload", str(mnt), "--timeout", "2"], 7, "did not reload within 2 s")
+            waited = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert plan.returncode == 0 and took < 30, (took, plan.stderr)
+        assert f"colifs: {mnt}: its daemon does not answer; not checked" in plan.stderr
+        assert "served by" not in plan.stdout
+        assert waited < 10, waited
+
+
 def test_reload_of_what_is_not_a_mount_is_one_line(tmp_path: Path) -> None:
     refuse(["reload", str(tmp_path)], 3, "is not a colifs mount")
