@@ -27,15 +27,9 @@ def stats_table(mountpoint: str, data: dict) -> list[str]:
             f"  {_state(r.get('health'))}"
         )
     lines += _weight_change(balance)
-    lines += _last_reload(data.get("reload") or {})
+    lines += _last_reload(data)
     lines.append(f"fallbacks {data['fallbacks']}")
-    partial = data.get("partial_mirror")
-    if partial:
-        split = " / ".join(f"{x:.1%}" for x in partial["predicted_byte_share"])
-        plain = " / ".join(f"{x:.1%}" for x in partial["plain_byte_share"])
-        actual = " / ".join(f"{r['byte_share']:.1%}" for r in data["replicas"])
-        lines.append(f"partial mirror(s), from the usage history: byte split expected {split} (plain "
-                     f"weights would give {plain}), actual {actual}")  # fmt: skip
+    lines += _partial(data)
     usage = data.get("usage") or {}
     if usage.get("file"):
         state = "kept" if usage.get("saving") else "not kept this run"
@@ -54,7 +48,19 @@ def _weight_change(balance: dict) -> list[str]:
     return [f"weights changed {balance['changes']} times; last: {before} -> {after} ({last['why']})"]
 
 
-def _last_reload(reload: dict) -> list[str]:
+def _partial(data: dict) -> list[str]:
+    partial = data.get("partial_mirror")
+    if not partial:
+        return []
+    split = " / ".join(f"{x:.1%}" for x in partial["predicted_byte_share"])
+    plain = " / ".join(f"{x:.1%}" for x in partial["plain_byte_share"])
+    actual = " / ".join(f"{r['byte_share']:.1%}" for r in data["replicas"])
+    return [f"partial mirror(s), from the usage history: byte split expected {split} (plain "
+            f"weights would give {plain}), actual {actual}"]  # fmt: skip
+
+
+def _last_reload(data: dict) -> list[str]:
+    reload = data.get("reload") or {}  # an older daemon's stats.json has none
     last = reload.get("last") or {}
     if not last:
         return []
