@@ -78,6 +78,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
+POLL = 0.2  # s between looks at a reloading mount's stats
+
+
 def reload(mountpoint: str, timeout: float) -> dict:
     """Ask the mount's daemon to check its mirrors again (SIGHUP) and wait until a reload that
     started after the signal has ended: what stats.json says of it."""
@@ -98,10 +101,10 @@ def reload(mountpoint: str, timeout: float) -> dict:
         raise NotReloadedError(
             f"not allowed to signal the daemon of {mnt} (pid {pid}): run as its user"
         ) from None
-    while (now := _answer(mnt, deadline, timeout)["reload"])[
-        "count"
-    ] <= started:  # one in progress ends first
-        time.sleep(0.05)
+    # A reload in progress when the signal came ends first: wait for one that started after it.
+    # Each look builds the daemon a stats snapshot (of every file): looking often slows the reload.
+    while (now := _answer(mnt, deadline, timeout)["reload"])["count"] <= started:
+        time.sleep(POLL)
     if "error" in now["last"]:
         raise NotReloadedError(f"{mnt}: reload failed ({now['last']['error']}); it serves as before")
     return now["last"]
