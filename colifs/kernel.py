@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger("colifs")
@@ -39,10 +40,8 @@ def _unescape(field: str) -> str:
     return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
 
 
-def mount_at(real: str) -> MountEntry | None:
-    """The mount on the resolved path `real` (of mounts stacked on one path, the last: the one seen
-    there). It resolves nothing itself: a daemon must not stat its own mount before serving it."""
-    found = None
+def _mounts() -> Iterator[tuple[str, MountEntry]]:
+    """Every line of /proc/self/mountinfo: (the mount point, what is mounted there), in order."""
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
@@ -50,22 +49,24 @@ def mount_at(real: str) -> MountEntry | None:
                 sep = fields.index("-", 6)
             except ValueError:
                 continue
-            if _unescape(fields[4]) == real:
-                major, minor = fields[2].split(":")
-                found = MountEntry(int(fields[0]), os.makedev(int(major), int(minor)), fields[sep + 1])
+            major, minor = fields[2].split(":")
+            entry = MountEntry(int(fields[0]), os.makedev(int(major), int(minor)), fields[sep + 1])
+            yield _unescape(fields[4]), entry
+
+
+def mount_at(real: str) -> MountEntry | None:
+    """The mount on the resolved path `real` (of mounts stacked on one path, the last: the one seen
+    there). It resolves nothing itself: a daemon must not stat its own mount before serving it."""
+    found = None
+    for path, entry in _mounts():
+        if path == real:
+            found = entry
     return found
 
 
 def colifs_mounts() -> list[str]:
     """The mount points of every colifs mount this process can see."""
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            sep = fields.index("-", 6) if "-" in fields[6:] else -1
-            if sep > 0 and fields[sep + 1] == "fuse.colifs":
-                out.append(_unescape(fields[4]))
-    return out
+    return [path for path, entry in _mounts() if entry.fstype == "fuse.colifs"]
 
 
 def mount_type(path: str) -> str | None:
