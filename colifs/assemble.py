@@ -178,7 +178,9 @@ class _Parts:
         self, stats: Stats, set_copy: Callable[[ServedFile, int, Identity | None], bool],
         apply: Callable[[list[float]], None],
     ) -> Reloader:  # fmt: skip
-        def reweigh() -> None:
+        def reweigh(weight: tuple[int, float] | None) -> None:
+            if weight is not None:
+                self.balancer.set_weight(*weight, "given by colifs mirror add")
             self.routing.recount(self.files, self.history, self.balancer.weights)
             stats.set_partial(self.routing.partial)
             apply(self.routing.held(self.balancer.weights))

@@ -283,6 +283,14 @@ class Balancer:
         self._changed(before, target, why)
         return self.weights
 
+    def set_weight(self, drive: int, weight: float, why: str) -> None:
+        """A weight given while serving (colifs mirror add --weight): in force from now on, and
+        the next window measures from here."""
+        before = shares(self.weights)
+        self.weights[drive] = weight
+        self._start, self._trial = None, None
+        self._changed(before, shares(self.weights), why)
+
     def _changed(self, before: Sequence[float], after: Sequence[float], why: str) -> None:
         self.changes += 1
         self.last_change = {

@@ -331,6 +331,28 @@ def parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=120.0, metavar="S", help="give up after S seconds (default: 120)"
     )
 
+    mi = sub.add_parser(
+        "mirror",
+        help="take a mirror away from a mount, or bring it back, while it serves",
+        description="Take a mirror away from a mount while it serves (no new read goes to it, reads in "
+        "flight on it finish, then every descriptor the daemon holds there is closed: its drive can be "
+        "unmounted), or bring a removed one back (validated as at mount). A mirror not named at mount "
+        "joins at the next mount.",
+    )
+    msub = mi.add_subparsers(dest="mirror_command", required=True, metavar="ACTION", help="remove or add")
+    for action, help_ in (
+        ("remove", "take MIRROR away; returns once no descriptor is left on it"),
+        ("add", "bring MIRROR back (removed before); its valid copies serve at once"),
+    ):
+        a = msub.add_parser(action, help=help_, description=help_[0].upper() + help_[1:] + ".")
+        a.add_argument("mountpoint", help="a colifs mount point")
+        a.add_argument("dir", metavar="MIRROR", help="the mirror's directory, as named at mount")
+        if action == "add":
+            a.add_argument("--weight", type=float, metavar="W", help="its weight (default: the one it had)")
+        a.add_argument(
+            "--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds (default: 60)"
+        )
+
     s = sub.add_parser(
         "stats",
         help="show what each drive served",
@@ -540,6 +562,8 @@ def cmd_top(args: argparse.Namespace) -> int:
 
 def reload_line(m: dict) -> str:
     """What a reload did with one mirror, as `colifs reload` and `colifs stage` say it."""
+    if m.get("removed"):
+        return "removed (colifs mirror add brings it back)"
     if not m["checked"]:
         return f"down or unreadable, left as it was ({m['model_files']} model files served)"
     busy = f", {len(m['busy'])} busy (left as they were)" if m["busy"] else ""
@@ -555,6 +579,23 @@ def cmd_reload(args: argparse.Namespace) -> int:
         print(f"mirror {m['path']}: " + reload_line(m))
     for relpath in last["primary_changed"]:
         print(f"primary {relpath}: changed since mount; served as before (remount to serve it)")
+    return 0
+
+
+def cmd_mirror(args: argparse.Namespace) -> int:
+    from colifs.client import mirror
+
+    weight = getattr(args, "weight", None)
+    if weight is not None and not (0 < weight < float("inf")):
+        raise UsageError(f"--weight must be a positive number, not {weight:g}")
+    if args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    done = mirror(args.mountpoint, args.mirror_command, args.dir, args.timeout, weight)
+    if done["command"] == "remove":
+        print(f"mirror {done['path']} removed: {done['files']} files no longer read from it, no descriptor "
+              f"left on it ({done['seconds']:g} s)")  # fmt: skip
+    else:
+        print(f"mirror {done['path']} added: {done['files']} files served from it ({done['seconds']:g} s)")
     return 0
 
 
@@ -582,6 +623,7 @@ COMMANDS = {
     "bench": cmd_bench,
     "stats": cmd_stats,
     "reload": cmd_reload,
+    "mirror": cmd_mirror,
     "plan": cmd_plan,
     "stage": cmd_stage,
     "verify": cmd_verify,

@@ -1,6 +1,6 @@
 """Talking to a running mount from another process: its stats.json, unmounting it and waiting for
-its daemon, reloading it, the route of a byte (an extended attribute). Errors are one line
-(QuietError)."""
+its daemon, reloading it, taking a mirror away or bringing it back (its control socket), the route
+of a byte (an extended attribute). Errors are one line (QuietError)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 
+from colifs.control import NoAnswer, ask
 from colifs.errors import BusyError, NotMountedError, NotReloadedError, QuietError, UsageError
 from colifs.kernel import colifs_mounts, mount_type
 from colifs.namespace import CONTROL_DIR, ROUTE_XATTR
@@ -120,6 +121,27 @@ def _answer(mnt: str, deadline: float, timeout: float) -> dict:
     if not st:
         raise NotMountedError(f"{mnt}: no longer a live colifs mount")
     return st
+
+
+ASK_SLACK = 5.0  # s the client waits past the daemon's own deadline, for its answer
+
+
+def mirror(mountpoint: str, command: str, path: str, timeout: float, weight: float | None = None) -> dict:
+    """`colifs mirror remove|add`: the mount's daemon does it and answers once it is done (for a
+    removal: once no descriptor is left on the mirror); what it did."""
+    mnt = os.path.realpath(mountpoint)
+    if mount_type(mnt) != "fuse.colifs":
+        raise NotMountedError(f"{mnt} is not a colifs mount")
+    st = _stats_within(mnt, timeout)
+    if not st:
+        raise NotReloadedError(f"the daemon of {mnt} does not answer; nothing asked of it")
+    path = os.path.abspath(path)
+    request = {"command": f"mirror-{command}", "path": path, "wait": timeout, "weight": weight}
+    try:
+        return ask(int(st["pid"]), request, timeout + ASK_SLACK)
+    except NoAnswer as e:
+        done = {"remove": "removed", "add": "added"}[command]
+        raise NotReloadedError(f"{mnt}: {e}; {path} may not be {done} (see colifs stats)") from None
 
 
 def mounts_using(mirror: str, wait: float = 5.0) -> list[str]:

@@ -17,8 +17,14 @@ def bash(parser: argparse.ArgumentParser) -> str:
     subs = _subparsers(parser)
     cases, choices = [], []
     for name, sub in subs.items():
-        opts = sorted(o for a in sub._actions for o in a.option_strings)
-        cases.append(f'        {name}) opts="{" ".join(opts)}" ;;')
+        actions = _subparsers(sub)  # `colifs mirror add|remove`: the action, then its options
+        parsers = (sub, *actions.values())
+        opts = " ".join(sorted({o for p in parsers for a in p._actions for o in a.option_strings}))
+        if actions:  # the second word is the action
+            words = " ".join(actions)
+            opts += f'"; [[ $COMP_CWORD -eq 2 ]] && COMPREPLY=($(compgen -W "{words}" -- "$cur"))'
+            opts += ' && return; : "'
+        cases.append(f'        {name}) opts="{opts}" ;;')
         for a in sub._actions:
             if a.choices and a.option_strings:
                 for o in a.option_strings:

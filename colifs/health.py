@@ -34,6 +34,16 @@ class Health:
         self.down_since: float | None = None
         self.retry_at = 0.0
         self._backoff = FIRST_RETRY_S
+        self.removed_at: float | None = None  # wall clock: `colifs mirror remove` took it away
+
+    def remove(self) -> None:
+        """Taken away by its user: never checked again, until `restore`."""
+        self.removed_at = time.time()
+
+    def restore(self) -> None:
+        """Back from a removal; checked at once if it was down."""
+        self.removed_at = None
+        self.retry_at = self._clock()
 
     def succeeded(self) -> None:
         if self.up:
@@ -57,8 +67,8 @@ class Health:
         return False
 
     def due(self) -> bool:
-        """Down and its back-off is over: time for a check read."""
-        return not self.up and self._clock() >= self.retry_at
+        """Down (not removed) and its back-off is over: time for a check read."""
+        return not self.up and self.removed_at is None and self._clock() >= self.retry_at
 
     def wait(self) -> float:
         """Seconds until the next check read (0 when due)."""
@@ -84,18 +94,19 @@ class Health:
     def as_dict(self) -> dict:
         now = self._clock()
         return {
-            "state": "up" if self.up else "down",
+            "state": "removed" if self.removed_at is not None else "up" if self.up else "down",
+            "removed_at": _when(self.removed_at),
             "failures_in_a_row": self.in_a_row,
             "errors": self.errors,
             "timeouts": self.timeouts,
             "last_error": self.last_error,
-            "last_error_at": (
-                time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(self.last_error_at))
-                if self.last_error_at
-                else None
-            ),
+            "last_error_at": _when(self.last_error_at),
             "times_down": self.downs,
             "checks": self.checks,
             "down_for_s": None if self.up else round(now - (self.down_since or now), 1),
             "next_check_in_s": None if self.up else round(max(0.0, self.retry_at - now), 1),
         }
+
+
+def _when(t: float | None) -> str | None:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(t)) if t else None

@@ -69,6 +69,21 @@ def colifs_mounts() -> list[str]:
     return [path for path, entry in _mounts() if entry.fstype == "fuse.colifs"]
 
 
+def held_under(root: str) -> list[str]:
+    """The paths of this process's open descriptors inside directory `root` (resolved): what keeps
+    its file system from being unmounted."""
+    inside = os.path.join(os.path.realpath(root), "")
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (this listing's own descriptor too)
+            continue
+        if target.removesuffix(" (deleted)").startswith(inside):
+            out.append(target)
+    return out
+
+
 def mount_type(path: str) -> str | None:
     """The filesystem type mounted at `path`, None when nothing is."""
     entry = mount_at(os.path.realpath(path))

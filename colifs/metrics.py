@@ -107,7 +107,9 @@ def prometheus(st: dict) -> str:
         [({"mountpoint": m}, st["fallbacks"])],
     )
     up = [(labels, 1.0 if v == "up" else 0.0) for labels, v in health("state")]
-    lines += _family("mirror_up", "gauge", "1 while the mirror is in the routing, 0 while down.", up)
+    lines += _family("mirror_up", "gauge", "1 while the mirror is in the routing, else 0.", up)
+    removed = [(labels, 1.0 if v == "removed" else 0.0) for labels, v in health("state")]
+    lines += _family("mirror_removed", "gauge", "1 once colifs mirror remove took the mirror away.", removed)
     lines += _family(
         "mirror_timeouts", "counter", "Mirror reads given up after the timeout.", health("timeouts")
     )

@@ -1,6 +1,7 @@
 """Mount lifecycle: assemble (colifs.assemble) → mount → serve → until unmounted (`colifs umount`,
 umount(8)) or signalled (SIGTERM/SIGINT: unmount once no process uses the mount). SIGHUP reloads:
-the mirrors are checked again while serving (colifs.reload; `colifs reload` sends it).
+the mirrors are checked again while serving (colifs.reload; `colifs reload` sends it). The control
+socket (colifs.control) takes `colifs mirror remove/add`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import trio
 from colifs.assemble import Assembly, assemble
 from colifs.backing import BackingIO
 from colifs.config import MountConfig
+from colifs.control import Control
 from colifs.errors import MountError
 from colifs.kernel import MountEntry, Tuning, mount_at
 from colifs.logs import RecentWarnings
@@ -77,6 +79,7 @@ def _run(asm: Assembly, usage_interval: float, on_ready: Callable[[], None], ear
     if asm.recorder.saving:
         tasks.append(functools.partial(asm.recorder.keep, usage_interval))
     tasks.append(functools.partial(_reload_on_signal, asm, early))
+    tasks.append(_control(asm).serve)
     trio.run(_main, asm.mountpoint, asm.tuning, on_ready, early, engine.run, engine.stop, tasks)
 
 
@@ -89,6 +92,21 @@ async def _reload_on_signal(asm: Assembly, early: list[int]) -> None:
         async for _ in sigs:
             log.info("signal SIGHUP: reloading (the mirrors checked again)")
             await asm.reloader.reload()
+
+
+def _control(asm: Assembly) -> Control:
+    """The commands with arguments: a mirror taken away or brought back while serving."""
+
+    async def remove(request: dict) -> dict:
+        return await asm.reloader.remove_mirror(str(request["path"]), float(request["wait"]))
+
+    async def add(request: dict) -> dict:
+        weight = request.get("weight")
+        return await asm.reloader.add_mirror(
+            str(request["path"]), None if weight is None else float(weight), float(request["wait"])
+        )
+
+    return Control({"mirror-remove": remove, "mirror-add": add})
 
 
 @contextlib.contextmanager

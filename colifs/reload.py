@@ -20,10 +20,12 @@ from dataclasses import dataclass, field
 import trio
 
 from colifs.catalogue import ServedFile, mirror_problem, vouched_copies
+from colifs.errors import BusyError, UsageError
 from colifs.formats import format_for
 from colifs.formats.layout import LayoutError
 from colifs.formats.moe import Configs
 from colifs.health import Health
+from colifs.kernel import held_under
 from colifs.replicas import Identity, Replica
 from colifs.tree import Tree
 
@@ -31,6 +33,7 @@ log = logging.getLogger("colifs")
 
 BUSY_RETRY = 0.05  # s between tries of a copy whose file is busy retiring descriptors
 BUSY_GIVE_UP = 5.0  # s after which such a copy waits for the next reload
+CLOSED_POLL = 0.05  # s between looks at the descriptors a removed mirror still has open
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class Reloads:
     started: int = 0
     count: int = 0
     last: dict = field(default_factory=dict)
+    mirror_change: dict = field(default_factory=dict)  # the last `colifs mirror add/remove`
 
     def begin(self) -> None:
         self.started += 1
@@ -100,8 +104,16 @@ class Reloads:
         self.count += 1
         self.last = {"at": round(time.time(), 1), **last}
 
+    def changed_mirror(self, change: dict) -> None:
+        self.mirror_change = {"at": round(time.time(), 1), **change}
+
     def as_dict(self) -> dict:
-        return {"started": self.started, "count": self.count, "last": self.last}
+        return {
+            "started": self.started,
+            "count": self.count,
+            "last": self.last,
+            "mirror_change": self.mirror_change,
+        }
 
 
 class Reloader:
@@ -117,7 +129,7 @@ class Reloader:
         replicas: Sequence[Replica],
         health: Sequence[Health],
         set_copy: Callable[[ServedFile, int, Identity | None], bool],
-        reweigh: Callable[[], None],
+        reweigh: Callable[[tuple[int, float] | None], None],
         record: Reloads,
     ) -> None:
         self.tree = tree
@@ -128,6 +140,7 @@ class Reloader:
         self._reweigh = reweigh
         self.record = record
         self._lock = trio.Lock()
+        self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors left
 
     async def reload(self) -> dict:
         """Check every mirror again and put what changed in force; what stats.json shows of it.
@@ -144,8 +157,9 @@ class Reloader:
             return self.record.as_dict()
 
     async def _reload(self) -> dict:
-        checked = [r for r in self.replicas[1:] if self.health[r.index].up and os.path.isdir(r.root)]
-        for r in self.replicas[1:]:
+        live = [r for r in self.replicas[1:] if self.health[r.index].removed_at is None]
+        checked = [r for r in live if self.health[r.index].up and os.path.isdir(r.root)]
+        for r in live:
             if r not in checked:
                 log.warning(
                     "reload: mirror %s is down or cannot be read; its copies left as they were", r.root
@@ -167,7 +181,7 @@ class Reloader:
         for ino, f in self.files.items():
             f.vouch(vouched.get(ino, ()))
         if applied:
-            self._reweigh()
+            self._reweigh(None)
         changes = self._summary(applied, busy, checked)
         for c in changes:
             log.info("reload: mirror %s: %d files added, %d dropped, %d model files served%s",
@@ -175,11 +189,13 @@ class Reloader:
                      f", {len(c['busy'])} busy (left as they were)" if c["busy"] else "")  # fmt: skip
         return {"mirrors": changes, "primary_changed": primary_changed}
 
-    async def _apply(self, verdicts: list[Verdict]) -> tuple[list[Verdict], list[Verdict]]:
+    async def _apply(
+        self, verdicts: list[Verdict], give_up: float = BUSY_GIVE_UP
+    ) -> tuple[list[Verdict], list[Verdict]]:
         """Each verdict in the engine, then in the catalogue; (applied, busy): a copy whose file
-        stays busy past BUSY_GIVE_UP keeps its old state until the next reload."""
+        stays busy past `give_up` seconds keeps its old state until the next reload."""
         applied, waiting = [], list(verdicts)
-        deadline = time.monotonic() + BUSY_GIVE_UP
+        deadline = time.monotonic() + give_up
         while waiting and time.monotonic() <= deadline:
             later = []
             for v in waiting:
@@ -205,9 +221,109 @@ class Reloader:
             out.append({
                 "path": r.root,
                 "checked": r in checked,
+                "removed": self.health[r.index].removed_at is not None,
                 "added": sorted(self.files[v.ino].relpath for v in mine if v.identity is not None),
                 "dropped": sorted(self.files[v.ino].relpath for v in mine if v.identity is None),
                 "busy": sorted(self.files[v.ino].relpath for v in busy if v.drive == r.index),
                 "model_files": sum(1 for f in models if r.index in f.copies),
             })  # fmt: skip
         return out
+
+    # -- mirrors taken away and brought back (colifs mirror remove / add) ----------------------
+
+    def _replica(self, path: str) -> Replica | None:
+        real = os.path.realpath(path)
+        return next((r for r in self.replicas if os.path.realpath(r.root) == real), None)
+
+    async def remove_mirror(self, path: str, wait: float) -> dict:
+        """Take mirror `path` away: no new read goes to it, reads in flight on it finish (or fall
+        back to the primary), then the engine closes every descriptor it holds there. Returns once
+        none is left (its drive can be unmounted); BusyError after `wait` seconds if some still are
+        (reads stuck in a hung drive): it stays out of the routing, and a second remove waits again."""
+        async with self._lock:
+            r = self._replica(path)
+            if r is None:
+                raise UsageError(f"{path} is not a mirror of this mount ({self._mirrors()})")
+            if r.index == 0:
+                raise UsageError(f"{path} is the primary: it serves every byte and cannot be removed")
+            h = self.health[r.index]
+            if h.removed_at is not None and r.index not in self._unfinished:
+                raise UsageError(f"{path} was removed already (colifs mirror add puts it back)")
+            held = [ino for ino, f in self.files.items() if r.index in f.copies]
+            t0 = time.monotonic()
+            h.remove()
+            log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
+            why = "removed (colifs mirror remove)"
+            applied, busy = await self._apply([Verdict(ino, r.index, None, why) for ino in held], wait)
+            for f in self.files.values():
+                f.vouch(tuple(i for i in f.vouched if i != r.index))
+            self._reweigh(None)
+            left = await self._closed(r.root, t0 + wait)
+            change = {
+                "command": "remove", "path": r.root, "files": len(applied), "busy": len(busy),
+                "descriptors_left": len(left), "seconds": round(time.monotonic() - t0, 3),
+            }  # fmt: skip
+            self.record.changed_mirror(change)
+            if busy or left:
+                self._unfinished.add(r.index)
+                raise BusyError(
+                    f"{r.root}: no new read goes to it, but after {wait:g} s {len(busy)} files still "
+                    f"read from it and {len(left)} descriptors are open there (a read stuck in the "
+                    "drive?); run colifs mirror remove again"
+                )
+            self._unfinished.discard(r.index)
+            log.info("mirror %s: removed in %.2f s; no descriptor left on it", r.root, change["seconds"])
+            return change
+
+    async def _closed(self, root: str, deadline: float) -> list[str]:
+        """Wait until the daemon holds no descriptor under `root` (or the deadline): what is left."""
+        while True:
+            left = await trio.to_thread.run_sync(held_under, root)
+            if not left or time.monotonic() >= deadline:
+                return left
+            await trio.sleep(CLOSED_POLL)
+
+    async def add_mirror(self, path: str, weight: float | None, wait: float) -> dict:
+        """Bring back mirror `path` (removed before): validated as at mount (size, header,
+        receipt), its valid copies serve at once, with `weight` if given (else the one it had)."""
+        async with self._lock:
+            r = self._replica(path)
+            if r is not None and r.index == 0:
+                raise UsageError(f"{path} is the primary of this mount, not a mirror")
+            if r is not None and self.health[r.index].removed_at is None:
+                raise UsageError(f"{path} is a mirror of this mount already")
+            if r is None:
+                raise UsageError(
+                    f"{path} was not a mirror of this mount: a mirror not named at mount joins at the "
+                    f"next mount (name it in the mount command or fstab); removed ones can be added back"
+                )
+            if not os.path.isdir(r.root):
+                raise UsageError(f"{r.root} is not a directory (is its drive mounted?)")
+            t0 = time.monotonic()
+            verdicts, _ = await trio.to_thread.run_sync(
+                recheck, self.tree, self.files, [self.replicas[0], r], abandon_on_cancel=True
+            )
+            if not any(v.identity is not None for v in verdicts):
+                raise UsageError(
+                    f"{r.root} holds no copy of this model's files that matches the primary's "
+                    "(size and header): not a replica; nothing changed"
+                )
+            self.health[r.index].restore()
+            self._unfinished.discard(r.index)
+            applied, busy = await self._apply([v for v in verdicts if v.identity is not None], wait)
+            vouched = await trio.to_thread.run_sync(
+                vouched_copies, self.files, self.tree, self.replicas, abandon_on_cancel=True
+            )
+            for ino, f in self.files.items():
+                f.vouch(vouched.get(ino, ()))
+            self._reweigh(None if weight is None else (r.index, weight))
+            change = {
+                "command": "add", "path": r.root, "files": len(applied), "busy": len(busy),
+                "weight": weight, "seconds": round(time.monotonic() - t0, 3),
+            }  # fmt: skip
+            self.record.changed_mirror(change)
+            log.info("mirror %s: added back, %d files served from it", r.root, len(applied))
+            return change
+
+    def _mirrors(self) -> str:
+        return "its mirrors: " + (", ".join(r.root for r in self.replicas[1:]) or "none")

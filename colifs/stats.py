@@ -171,7 +171,7 @@ class Stats:
         """`MIRROR: primary 12.31 GB (4567 reads) | mirror 4.10 GB (1522 reads) | fallbacks 0`"""
         parts = [
             f"{name} {self.bytes_served[i] / 1e9:.2f} GB ({self.reads[i]} reads"
-            + ("" if self.health[i].up else ", DOWN")
+            + (", REMOVED" if self.health[i].removed_at else "" if self.health[i].up else ", DOWN")
             + ")"
             for i, name in enumerate(self.names())
         ]

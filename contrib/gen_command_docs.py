@@ -37,15 +37,17 @@ colifs verify /fast/m /second/m --deep     # and every byte (SHA-256 of both, re
 colifs bench /fast/m /second/m --weights 9,3                  # the drives' own limit
 colifs bench /mnt/model --zipf 1.0 --mmap""",
     "completion": """colifs completion bash > /etc/bash_completion.d/colifs""",
+    "mirror": """colifs mirror remove /mnt/model /second/m && umount /second     # the drive is free at once
+colifs mirror add /mnt/model /second/m --weight 3                 # back (its drive mounted again)""",
 }
 
 
-def help_text(command: str) -> str:
+def help_text(*command: str) -> str:
     from colifs.cli import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-        main([command, "--help"])
+        main([*command, "--help"])
     return out.getvalue()
 
 
@@ -57,6 +59,8 @@ def pages() -> dict[str, str]:
     out = {}
     for name, sub in _subparsers(parser()).items():
         text = f"# colifs {name}\n\n{sub.description}\n\n```\n{help_text(name).rstrip()}\n```\n"
+        for action in _subparsers(sub):  # `colifs mirror add|remove`
+            text += f"\n## colifs {name} {action}\n\n```\n{help_text(name, action).rstrip()}\n```\n"
         if name in EXAMPLES:
             text += f"\n## Examples\n\n```\n{EXAMPLES[name]}\n```\n"
         text += "\nEvery error is one line on stderr with a specific exit code (see the README).\n"

@@ -173,9 +173,23 @@ typedef struct {
     int n;
 } closing_t;
 
-static void take_retired_locked(file_t *f, closing_t *c) {
-    while (f->nretired > 0)
-        c->fd[c->n++] = f->retired[--f->nretired];
+/* The retired descriptors of drive d (-1: of every drive) move to c; f->lock held. */
+static void take_retired_locked(file_t *f, closing_t *c, int d) {
+    int kept = 0;
+    for (int i = 0; i < f->nretired; i++) {
+        if (d < 0 || f->retired_on[i] == d) {
+            c->fd[c->n++] = f->retired[i];
+        } else {
+            f->retired[kept] = f->retired[i];
+            f->retired_on[kept++] = f->retired_on[i];
+        }
+    }
+    f->nretired = kept;
+}
+
+static void retire_locked(file_t *f, int d, int fd) {
+    f->retired_on[f->nretired] = (uint8_t)d;
+    f->retired[f->nretired++] = fd;
 }
 
 static void close_taken(closing_t *c) {
@@ -192,19 +206,20 @@ void file_release(engine_t *e, file_t *f) {
             if (fd >= 0)
                 c.fd[c.n++] = fd;
         }
-        take_retired_locked(f, &c);
+        take_retired_locked(f, &c, -1);
     }
     pthread_mutex_unlock(&f->lock);
     close_taken(&c);
 }
 
-/* A mirror job on f is over: the descriptors retired meanwhile close once no job can read them
- * (every job that may hold one was counted before it was queued), then its hold on f ends. */
-static void job_done(engine_t *e, file_t *f) {
+/* A mirror job on f and drive d is over: the drive's descriptors retired meanwhile close once no
+ * job on it can read them (every job that may hold one was counted before it was queued), then
+ * its hold on f ends. */
+static void job_done(engine_t *e, file_t *f, int d) {
     closing_t c = {.n = 0};
     pthread_mutex_lock(&f->lock);
-    if (--f->jobs == 0)
-        take_retired_locked(f, &c);
+    if (--f->jobs[d] == 0)
+        take_retired_locked(f, &c, d);
     pthread_mutex_unlock(&f->lock);
     close_taken(&c);
     file_release(e, f);
@@ -223,7 +238,7 @@ static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
         return fd;
     }
     if (fd >= 0)
-        f->retired[f->nretired++] = fd;
+        retire_locked(f, d, fd);
     atomic_store(&f->fd[d], FD_CLOSED);
     return FD_CLOSED;
 }
@@ -258,7 +273,7 @@ int file_set_copy(file_t *f, int d, const ident_t *ident) {
     int old = -1;
     pthread_mutex_lock(&f->lock);
     int fd = atomic_load(&f->fd[d]);
-    if (fd >= 0 && f->jobs > 0 && f->nretired == RETIRED_FDS) {
+    if (fd >= 0 && f->jobs[d] > 0 && f->nretired == RETIRED_FDS) {
         pthread_mutex_unlock(&f->lock);
         return EBUSY;
     }
@@ -270,8 +285,8 @@ int file_set_copy(file_t *f, int d, const ident_t *ident) {
     }
     atomic_fetch_add(&f->copy_gen[d], 1);
     atomic_fetch_and(&f->dropped, ~bit);
-    if (fd >= 0 && f->jobs > 0)
-        f->retired[f->nretired++] = fd; /* a job may still read it */
+    if (fd >= 0 && f->jobs[d] > 0)
+        retire_locked(f, d, fd); /* a job may still read it */
     else if (fd >= 0)
         old = fd;
     if (fd != FD_OPENING) /* an open under way sees the generation move (opened) */
@@ -298,6 +313,11 @@ static int mirror_fd(engine_t *e, job_t *j) {
     pthread_mutex_lock(&f->lock);
     while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
         pthread_cond_wait(&f->opened, &f->lock);
+    if (atomic_load(&f->copy_gen[d]) != j->gen) { /* a reload changed the copy since the hand-out: */
+        pthread_mutex_unlock(&f->lock);          /* opening it now would keep a descriptor nobody */
+        j->changed = 1;                           /* closes (a dropped copy's); judged stale */
+        return FD_CLOSED;
+    }
     fd = renew_locked(e, f, d, fd);
     if (fd != FD_CLOSED) { /* opened (or failed) by another job meanwhile */
         pthread_mutex_unlock(&f->lock);
@@ -434,8 +454,9 @@ static void *drive_main(void *arg) {
         atomic_fetch_sub(&dr->e->ctr.drive_busy[j->drive], 1);
         atomic_fetch_sub(&dr->e->queued[j->drive], j->len);
         file_t *f = j->f;
+        int d = j->drive;
         finish_job(j); /* j may be freed from here */
-        job_done(dr->e, f);
+        job_done(dr->e, f, d);
     }
 }
 
@@ -903,12 +924,12 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
 static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p, size_t nm) {
     pthread_mutex_lock(&f->lock);
     f->refs += (int)nm;
-    f->jobs += (int)nm;
     size_t j = 0;
     for (size_t i = 0; i < n; i++) {
         if (!pc[i].drive)
             continue;
         int d = pc[i].drive;
+        f->jobs[d]++;
         uint32_t gen = atomic_load(&f->copy_gen[d]);
         pc[i].gen = gen;
         p->jobs[j++] = (job_t){.p = p, .f = f, .drive = d, .run = (int)i, .dst = pc[i].dst,

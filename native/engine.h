@@ -105,8 +105,9 @@ typedef struct {
     _Atomic int fd[MAX_REPLICAS];
     _Atomic int direct[MAX_REPLICAS];
     _Atomic uint32_t fd_epoch[MAX_REPLICAS]; /* engine.epoch[d] when fd[d] was opened (or failed) */
-    int jobs;                              /* mirror jobs queued or running on the file */
-    int retired[RETIRED_FDS];              /* replaced descriptors: closed once no job runs */
+    int jobs[MAX_REPLICAS];                /* mirror jobs queued or running on the file, per drive */
+    int retired[RETIRED_FDS];              /* replaced descriptors: closed once no job runs on */
+    uint8_t retired_on[RETIRED_FDS];       /* their drive (so another mirror's jobs keep none open) */
     int nretired;
     /* The kernel's opens of the file, by mode (passthrough.c: all in one mode at a time). */
     int served_opens, pt_opens;

@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -310,3 +311,42 @@ def expert_ranges(root: Path) -> dict[tuple[str, ExpertKey], list[tuple[int, int
         for name, start, end in spans:
             out.setdefault((name, key), []).append((start, end))
     return out
+
+
+@contextmanager
+def streaming(mnt: Path, want: dict[str, bytes], n: int) -> Iterator[tuple[list, list]]:
+    """`n` readers (O_DIRECT and mmap, alternately) read every file over and over, checking every
+    byte, until the block ends: (errors, rounds per reader). The O_DIRECT readers keep each file
+    open from start to end, as a server holds its model."""
+    errors: list[BaseException] = []
+    rounds = [0] * n
+    stop = threading.Event()
+
+    def reader(k: int) -> None:
+        fds = {name: os.open(mnt / name, os.O_RDONLY | os.O_DIRECT) for name in want}
+        buf = mmap.mmap(-1, max(map(len, want.values())))
+        try:
+            while not stop.is_set():
+                for name, data in want.items():
+                    if k % 2:
+                        with open(mnt / name, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                            assert mm[:] == data, name
+                    else:
+                        n = os.preadv(fds[name], [memoryview(buf)[: len(data)]], 0)
+                        assert buf[:n] == data, name
+                rounds[k] += 1
+        except BaseException as e:
+            errors.append(e)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    pool = [threading.Thread(target=reader, args=(k,)) for k in range(n)]
+    for t in pool:
+        t.start()
+    try:
+        yield errors, rounds
+    finally:
+        stop.set()
+        for t in pool:
+            t.join()

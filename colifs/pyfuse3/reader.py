@@ -60,8 +60,9 @@ class OpenFile:
     usable: set[int]  # the replicas it may be read from (opened, unchanged): the primary always
     detached: set[int]  # mirrors not opened yet because they were down
     epochs: list[int]  # per replica: the Reader's epoch when its descriptor was opened
-    retired: list[tuple[int, int]] = field(default_factory=list)  # (drive, fd) replaced, closed with the file
+    retired: list[tuple[int, int]] = field(default_factory=list)  # (drive, fd) replaced: closed once unread
     refs: int = 1
+    mirror_reads: int = 0  # mirror reads running (or given up on and not returned): they may use a retired fd
 
     def hold(self) -> None:
         self.refs += 1
@@ -84,9 +85,9 @@ class OpenFile:
 
     def renew(self, epochs: Sequence[int]) -> None:
         """Mirror descriptors opened before their mirror last came back up may be dead (its
-        filesystem mounted again): detached, to be opened again; the old ones close with the file
-        (a read given up on may still use one), at most RETIRED_FDS of them (past that the old
-        one stays: a flapping mirror must not take every descriptor)."""
+        filesystem mounted again): detached, to be opened again; the old ones close once no mirror
+        read runs on the file (a read given up on may still use one), at most RETIRED_FDS of them
+        (past that the old one stays: a flapping mirror must not take every descriptor)."""
         for d in sorted(self.usable - {0}):
             fd = self.fds[d]
             if self.epochs[d] != epochs[d] and fd is not None and len(self.retired) < RETIRED_FDS:
@@ -96,7 +97,8 @@ class OpenFile:
                 self.detached.add(d)
 
     def swap(self, drive: int, again: bool) -> None:
-        """A reload changed the mirror's copy: its descriptor retires (closed with the file), and
+        """A reload changed the mirror's copy: its descriptor retires (closed once no mirror read
+        runs on the file), and
         the copy is opened `again` at the next read, or not used."""
         fd = self.fds[drive]
         if fd is not None:
@@ -107,6 +109,22 @@ class OpenFile:
             self.detached.add(drive)
         else:
             self.detached.discard(drive)
+
+    def mirror_read_starts(self) -> None:
+        self.hold()
+        self.mirror_reads += 1
+
+    def mirror_read_ends(self) -> list[tuple[int, int]]:
+        """One mirror read fewer (release the hold apart): the retired descriptors to close now."""
+        self.mirror_reads -= 1
+        return self.unread_retired()
+
+    def unread_retired(self) -> list[tuple[int, int]]:
+        """The retired descriptors, taken, if no mirror read runs (none can use them any more)."""
+        if self.mirror_reads > 0:
+            return []
+        out, self.retired = self.retired, []
+        return out
 
     def stop_using(self, drive: int) -> None:
         """A mirror copy that changed: no more reads from it (its descriptor closes with the file)."""
@@ -195,11 +213,13 @@ class Reader:
 
     def set_copy(self, f: ServedFile, drive: int, identity: Identity | None) -> bool:
         """A reload's verdict on a mirror copy (colifs.reload): an open file stops reading the old
-        copy (its descriptor closes with the file: a read may still be using it) and opens the new
-        one at its next read. Always taken at once (True)."""
+        copy (its descriptor closes once no mirror read runs on the file: one may be using it) and
+        opens the new one at its next read. Always taken at once (True)."""
         of = self._open.get(f.relpath)
         if of is not None:
             of.swap(drive, identity is not None)
+            for d, fd in of.unread_retired():
+                self._close(d, fd)
         return True
 
     def open_files(self) -> int:
@@ -212,6 +232,12 @@ class Reader:
             for d, fd in [*enumerate(of.fds), *of.retired]:
                 if fd is not None:
                     self._close(d, fd)
+
+    def _mirror_read_done(self, of: OpenFile) -> None:
+        """A mirror read returned (in time or late): the retired descriptors close once none runs."""
+        for d, fd in of.mirror_read_ends():
+            self._close(d, fd)
+        self.release(of)
 
     def _close(self, drive: int, fd: int) -> None:
         """Closed on the drive's own threads: a close can block (a FUSE or NFS mirror's flush),
@@ -311,11 +337,11 @@ class Reader:
         # closed under it could have its number reused by another open before its pread.
         mirror_reads = [k for k, i in enumerate(waiting) if runs[i][2] != 0]
         for _ in mirror_reads:
-            of.hold()
-        outcomes = await gather(calls, lambda _k, _late: self.release(of)) if calls else []
+            of.mirror_read_starts()
+        outcomes = await gather(calls, lambda _k, _late: self._mirror_read_done(of)) if calls else []
         for k in mirror_reads:
             if outcomes[k] is not None:  # in time (a late one lets go when it returns)
-                self.release(of)
+                self._mirror_read_done(of)
         for i, result in zip(waiting, outcomes, strict=True):
             if result is None:
                 timeout = self.workers[runs[i][2]].timeout

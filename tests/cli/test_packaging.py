@@ -54,6 +54,8 @@ def test_bash_completion_knows_every_command_option_and_choice() -> None:
     assert sorted(complete("colifs mount --routing ")) == ["expert", "queue", "stripe"]
     assert complete("colifs stats --pro") == ["--prometheus"]
     assert "README.md" in complete("colifs route READ")
+    assert complete("colifs mirror re") == ["remove"] and complete("colifs mirror a") == ["add"]
+    assert complete("colifs mirror add /mnt /m --we") == ["--weight"]
     script = run_colifs("completion", "bash").stdout
     for sub in _subparsers(parser()).values():
         for action in sub._actions:

@@ -5,11 +5,9 @@ no reader disturbed. Every mirror ends as it was at mount (a copy is moved away 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import signal
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +24,7 @@ from tests.helpers import (
     run_colifs,
     shards,
     skewed_model,
+    streaming,
 )
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
@@ -104,7 +103,7 @@ def test_a_reload_that_finds_a_changed_copy_drops_only_that_file(model) -> None:
 
 @pytest.mark.daemon_warns(r"changed since mount", r"header differs")
 def test_readers_stream_through_many_reloads_and_get_every_byte(model, tmp_path: Path) -> None:
-    """Four readers (O_DIRECT and mmap) read every file over and over while 30 reloads come and go;
+    """Four readers (O_DIRECT and mmap) read every file over and over while 50 reloads come and go;
     between them a mirror copy is swapped (a rename, as `colifs stage` publishes) for one with a
     different header, then for the original again: no reader error, every byte right, and the
     original copy serves once it is back."""
@@ -116,39 +115,15 @@ def test_readers_stream_through_many_reloads_and_get_every_byte(model, tmp_path:
     data[9] ^= 0x20
     bad.write_bytes(bytes(data))
     want = {p.name: p.read_bytes() for p in shards(primary)}
-    errors: list[BaseException] = []
-    stop = threading.Event()
-    rounds = [0] * 4
-
-    def reader(k: int) -> None:
-        try:
-            while not stop.is_set():
-                for name, data in want.items():
-                    if k % 2:
-                        with open(mnt / name, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
-                            assert mm[:] == data, name
-                    else:
-                        assert read_direct(mnt / name, 0, len(data)) == data, name
-                rounds[k] += 1
-        except BaseException as e:
-            errors.append(e)
-
     with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
-        pool = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
-        for t in pool:
-            t.start()
-        try:
-            for i in range(30):
+        with streaming(mnt, want, 4) as (errors, rounds):
+            for i in range(50):
                 os.link(bad if i % 2 == 0 else original, swap)
                 swap.replace(shard)
                 reload(mnt)
-        finally:
-            stop.set()
-            for t in pool:
-                t.join()
         assert not errors, errors[0]
         st = m.stats()
-        assert st["reload"]["count"] == 30 and min(rounds) >= 1, rounds
+        assert st["reload"]["count"] == 50 and min(rounds) >= 1, rounds
         assert st["files"][shard.name]["replicas"] == [str(primary), str(mirror)]  # the original, last
         before = mirror_bytes(m)
         assert read_direct(mnt / shard.name, 0, len(want[shard.name])) == want[shard.name]
@@ -167,6 +142,7 @@ def test_sighup_reloads_and_keeps_serving(model) -> None:
         assert last["mirrors"][0] == {
             "path": str(mirror),
             "checked": True,
+            "removed": False,
             "added": [],
             "dropped": [],
             "busy": [],

@@ -233,3 +233,11 @@ def test_the_split_follows_the_drives_unless_fixed(
     monkeypatch.delenv("COLIFS_ENGINE", raising=False)
     cfg = mount_config(parser().parse_args(["mount", "/p", "/m", "/mnt", *flags]))
     assert (cfg.routing, cfg.adaptive_weights) == (routing, adaptive)
+
+
+def test_a_weight_given_while_serving_is_in_force_and_said() -> None:
+    b = Balancer([3.0, 1.0])
+    b.set_weight(1, 3.0, "given by colifs mirror add")
+    assert b.weights == [3.0, 3.0] and b.changes == 1
+    assert b.last_change["why"] == "given by colifs mirror add"
+    assert b.last_change["shares_after"] == [0.5, 0.5]

@@ -72,3 +72,15 @@ def test_the_extent_buffer_pauses_while_memory_is_short(short: bool, share: floa
     assert memory_short(short, share) is after
     now = memory_available()
     assert now is not None and 0 < now <= 1
+
+
+def test_a_removed_mirror_is_never_checked_until_restored() -> None:
+    clock = Clock()
+    h = Health(clock)
+    for _ in range(FAILURES_TO_DOWN):
+        h.failed("eio")
+    h.remove()
+    clock.t += 10 * MAX_RETRY_S
+    assert not h.due() and h.as_dict()["state"] == "removed" and h.as_dict()["removed_at"]
+    h.restore()
+    assert h.due() and h.as_dict()["state"] == "down"  # checked at once: it was down when removed

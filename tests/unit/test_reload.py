@@ -6,10 +6,12 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 import trio
 
 from colifs.catalogue import build_files
 from colifs.checks import check_roots
+from colifs.errors import BusyError, UsageError
 from colifs.health import Health
 from colifs.reload import Reloader, Reloads, recheck
 from colifs.synth import write_checkpoint
@@ -77,14 +79,15 @@ def test_the_reloader_puts_the_verdicts_in_force_and_counts(tmp_path: Path) -> N
 
     record = Reloads()
     health = [Health() for _ in replicas]
-    reloader = Reloader(tree, files, replicas, health, set_copy, lambda: reweighed.append(1), record)
+    reloader = Reloader(tree, files, replicas, health, set_copy, reweighed.append, record)
     shown = trio.run(reloader.reload)
-    assert calls == [(names[2], 1, True)] and reweighed == [1]
+    assert calls == [(names[2], 1, True)] and reweighed == [None]
     assert by_name(files)[names[2]].copies == (0, 1) and 1 in by_name(files)[names[2]].identities
     assert shown["count"] == 1 and shown["last"]["mirrors"] == [
         {
             "path": str(mirror),
             "checked": True,
+            "removed": False,
             "added": [names[2]],
             "dropped": [],
             "busy": [],
@@ -92,4 +95,65 @@ def test_the_reloader_puts_the_verdicts_in_force_and_counts(tmp_path: Path) -> N
         }
     ]
     assert trio.run(reloader.reload)["last"]["mirrors"][0]["added"] == []  # in force: nothing new
-    assert reweighed == [1] and record.count == 2
+    assert reweighed == [None] and record.count == 2
+
+
+def test_a_mirror_removed_and_added_back(tmp_path: Path) -> None:
+    """remove_mirror drops every copy and waits for the descriptors there; add_mirror validates
+    again; the primary, a live mirror, a stranger and a non-replica are refused, nothing changed."""
+    tree, files, replicas, primary, mirror = catalogue(tmp_path, 3)
+    copies: dict = {}
+    weights: list = []
+
+    def set_copy(f, drive, identity) -> bool:
+        copies[f.relpath] = identity is not None
+        return True
+
+    health = [Health() for _ in replicas]
+    record = Reloads()
+    reloader = Reloader(tree, files, replicas, health, set_copy, weights.append, record)
+    held = open(mirror / sorted(by_name(files))[0], "rb")  # noqa: SIM115 (an engine's descriptor, closed below)
+
+    async def remove() -> dict:
+        async with trio.open_nursery() as n:
+            n.start_soon(reloader.remove_mirror, str(mirror), 5.0)
+            await trio.sleep(0.2)
+            assert health[1].removed_at is not None and all(not c for c in copies.values())
+            held.close()  # the remove returns only after this
+        return record.mirror_change
+
+    change = trio.run(remove)
+    assert change["command"] == "remove" and change["files"] == 3 and change["descriptors_left"] == 0
+    assert change["seconds"] >= 0.2 and all(f.copies == (0,) for f in by_name(files).values())
+    assert health[1].removed_at is not None and not health[1].due()
+    refusals = [(primary, "is the primary"), (tmp_path, "is not a mirror"), (mirror, "removed already")]
+    for path, text in refusals:
+        with pytest.raises(UsageError, match=text):
+            trio.run(reloader.remove_mirror, str(path), 1.0)
+    aside = tmp_path / "aside"
+    mirror.rename(aside)
+    mirror.mkdir()
+    with pytest.raises(UsageError, match="not a replica"):
+        trio.run(reloader.add_mirror, str(mirror), None, 1.0)
+    mirror.rmdir()
+    aside.rename(mirror)
+    assert health[1].removed_at is not None  # refused: nothing changed
+    change = trio.run(reloader.add_mirror, str(mirror), 2.5, 1.0)
+    assert change["files"] == 3 and all(copies.values()) and weights[-1] == (1, 2.5)
+    assert all(f.copies == (0, 1) for f in by_name(files).values()) and health[1].removed_at is None
+    with pytest.raises(UsageError, match="a mirror of this mount already"):
+        trio.run(reloader.add_mirror, str(mirror), None, 1.0)
+    with pytest.raises(UsageError, match="was not a mirror"):
+        trio.run(reloader.add_mirror, str(tmp_path), None, 1.0)
+
+
+def test_a_removal_whose_descriptors_stay_open_says_so_and_stays_removed(tmp_path: Path) -> None:
+    tree, files, replicas, _, mirror = catalogue(tmp_path, 3)
+    health = [Health() for _ in replicas]
+    reloader = Reloader(tree, files, replicas, health, lambda *_: True, lambda _: None, Reloads())
+    with open(mirror / sorted(by_name(files))[1], "rb"):  # a read stuck in the drive, say
+        with pytest.raises(BusyError, match="1 descriptors are open there"):
+            trio.run(reloader.remove_mirror, str(mirror), 0.3)
+        assert health[1].removed_at is not None
+        assert all(f.copies == (0,) for f in by_name(files).values())
+    assert trio.run(reloader.remove_mirror, str(mirror), 1.0)["descriptors_left"] == 0  # again: done

@@ -1,0 +1,190 @@
+"""A mirror taken away while the mount serves (`colifs mirror remove`) and brought back (`colifs
+mirror add`): readers never see an error or a wrong byte, the daemon keeps no descriptor on the
+removed mirror's drive (it unmounts), the mirror back takes traffic again, bad input is one line."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import mounted, read_direct, refuse, run_colifs, shards, streaming
+
+pytestmark = pytest.mark.mounts  # every test here runs on both engines
+
+
+def mirror_bytes(m) -> int:
+    return m.stats()["replicas"][1]["bytes_served"]
+
+
+def held_there(pid: int, root: Path) -> list[str]:
+    """The daemon's descriptors inside `root`."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith(f"{root}/"):
+                out.append(target)
+    return out
+
+
+@pytest.fixture
+def drive(model, tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """(primary, mirror, mountpoint) with the mirror on a file system of its own (a tmpfs: its
+    drive), so that a test can unmount it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    primary, copied, mnt = model
+    mirror = tmp_path / "drive"
+    mirror.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "colifs-test", str(mirror)], check=True)
+    try:
+        shutil.copytree(copied, mirror, dirs_exist_ok=True)
+        yield primary, mirror, mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mirror)], capture_output=True)
+
+
+def test_a_mirror_removed_under_eight_readers_keeps_no_descriptor_and_its_drive_unmounts(drive) -> None:
+    primary, mirror, mnt = drive
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    saved = mirror.parent / "saved"
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        pid = m.stats()["pid"]
+        with streaming(mnt, want, 8) as (errors, rounds):
+            deadline = time.monotonic() + 20
+            while mirror_bytes(m) == 0 or min(rounds) < 1:
+                assert time.monotonic() < deadline and not errors, (rounds, errors[:1])
+                time.sleep(0.05)
+            assert held_there(pid, mirror)  # reading from it: the test proves something
+            out = run_colifs("mirror", "remove", str(mnt), str(mirror))
+            assert out.returncode == 0, out.stderr
+            said = f"mirror {mirror} removed: 3 files no longer read from it"
+            assert out.stdout.startswith(said), out.stdout
+            assert held_there(pid, mirror) == []
+            shutil.copytree(mirror, saved)
+            assert subprocess.run(["umount", str(mirror)], capture_output=True).returncode == 0  # not busy
+            after = mirror_bytes(m)
+            time.sleep(0.5)
+            done = list(rounds)
+            while min(r - d for r, d in zip(rounds, done, strict=True)) < 1:  # a whole round after it
+                assert not errors and time.monotonic() < deadline + 20, (rounds, errors[:1])
+                time.sleep(0.05)
+        assert not errors, errors[0]
+        st = m.stats()
+        assert mirror_bytes(m) == after  # nothing read from it since
+        assert st["replicas"][1]["health"]["state"] == "removed"
+        assert st["reload"]["mirror_change"]["command"] == "remove"
+        assert all(f["replicas"] == [str(primary)] for f in st["files"].values())
+        assert "REMOVED" in (mnt / ".colifs" / "stats").read_text()
+        prom = run_colifs("stats", str(mnt), "--prometheus").stdout
+        families = {f.name: f for f in text_string_to_metric_families(prom)}
+        assert [x.value for x in families["colifs_mirror_removed"].samples] == [1]
+
+        # The drive back (its copies are new files: validated anew), the mirror with it.
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "colifs-test", str(mirror)], check=True)
+        shutil.copytree(saved, mirror, dirs_exist_ok=True)
+        out = run_colifs("mirror", "add", str(mnt), str(mirror), "--weight", "2")
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith(f"mirror {mirror} added: 3 files served from it"), out.stdout
+        st = m.stats()
+        assert st["replicas"][1]["health"]["state"] == "up"
+        assert st["replicas"][1]["weight"] == 2
+        before = mirror_bytes(m)
+        for name, data in want.items():
+            assert read_direct(mnt / name, 0, len(data)) == data
+        assert mirror_bytes(m) > before  # it takes traffic again
+        assert st["replicas"][1]["read_errors"] == 0  # reads in flight as it left: re-read, no error
+
+
+def test_readers_stream_through_a_stage_a_reload_a_removal_and_an_add(model) -> None:
+    """A copy staged while mounted (as `colifs stage` publishes it: a rename) serves after a reload;
+    then the mirror is removed and added back: four readers never see an error or a wrong byte."""
+    primary, mirror, mnt = model
+    shard = shards(mirror)[0]
+    aside = shard.with_name(shard.name + ".aside")
+    shard.rename(aside)  # a partial mirror at mount
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        with streaming(mnt, want, 4) as (errors, rounds):
+            aside.rename(shard)
+            assert run_colifs("reload", str(mnt)).stdout.startswith(f"mirror {mirror}: 1 files added")
+            for _ in range(3):
+                out = run_colifs("mirror", "remove", str(mnt), str(mirror))
+                assert out.returncode == 0, out.stderr
+                assert held_there(m.stats()["pid"], mirror) == []
+                assert run_colifs("reload", str(mnt)).stdout.startswith(f"mirror {mirror}: removed")
+                out = run_colifs("mirror", "add", str(mnt), str(mirror))
+                assert out.returncode == 0 and "3 files served" in out.stdout, out.stderr
+            time.sleep(0.3)
+            assert not errors, errors[0]
+            assert min(rounds) >= 1, rounds
+            # A read in flight on the mirror when it left is read from the primary: not its error.
+            assert m.stats()["replicas"][1]["read_errors"] == 0
+        shard.rename(aside)  # the mirror as it was at mount
+
+
+def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_path: Path) -> None:
+    primary, mirror, mnt = model
+    other = tmp_path / "other"
+    other.mkdir()
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        refuse(["mirror", "remove", str(mnt), str(primary)], 2, "is the primary")
+        refuse(["mirror", "remove", str(mnt), str(other)], 2, "is not a mirror of this mount")
+        refuse(["mirror", "add", str(mnt), str(mirror)], 2, "is a mirror of this mount already")
+        refuse(["mirror", "add", str(mnt), str(primary)], 2, "is the primary")
+        refuse(["mirror", "add", str(mnt), str(other)], 2, "was not a mirror of this mount")
+        refuse(["mirror", "add", str(mnt), str(mirror), "--weight", "-1"], 2, "--weight must be")
+        refuse(["mirror", "remove", str(tmp_path), str(mirror)], 3, "is not a colifs mount")
+        assert run_colifs("mirror", "remove", str(mnt), str(mirror)).returncode == 0
+        refuse(["mirror", "remove", str(mnt), str(mirror)], 2, "was removed already")
+        # Not a replica any more: the directory now holds something else.
+        real = mirror.with_name("real")
+        mirror.rename(real)
+        mirror.mkdir()
+        (mirror / shards(real)[0].name).write_bytes(b"not a shard")
+        try:
+            refuse(["mirror", "add", str(mnt), str(mirror)], 2, "not a replica")
+            assert m.stats()["replicas"][1]["health"]["state"] == "removed"
+        finally:
+            shutil.rmtree(mirror)
+            real.rename(mirror)
+        assert run_colifs("mirror", "add", str(mnt), str(mirror)).returncode == 0
+        for p in shards(primary):
+            assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+        assert m.stats()["replicas"][1]["health"]["state"] == "up"
+
+
+def test_one_of_two_mirrors_removed_under_readers_while_the_other_serves_on(model, tmp_path: Path) -> None:
+    """The other mirror's reads of the same files go on all along: they must not keep the removed
+    mirror's descriptors open."""
+    primary, mirror, mnt = model
+    second = tmp_path / "third"
+    shutil.copytree(mirror, second)
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    with mounted(primary, [mirror, second], mnt, "--weights", "1,1,1") as m:
+        with streaming(mnt, want, 4) as (errors, rounds):
+            deadline = time.monotonic() + 20
+            while min(rounds) < 1:
+                assert time.monotonic() < deadline and not errors, (rounds, errors[:1])
+                time.sleep(0.05)
+            out = run_colifs("mirror", "remove", str(mnt), str(mirror), "--timeout", "20")
+            assert out.returncode == 0, out.stderr
+            pid = m.stats()["pid"]
+            assert held_there(pid, mirror) == [] and held_there(pid, second)
+            before = m.stats()["replicas"][2]["bytes_served"]
+            done = list(rounds)
+            while min(r - d for r, d in zip(rounds, done, strict=True)) < 1:
+                assert not errors and time.monotonic() < deadline + 20, (rounds, errors[:1])
+                time.sleep(0.05)
+        assert not errors, errors[0]
+        st = m.stats()
+        assert st["replicas"][2]["bytes_served"] > before  # the other mirror serves on
+        assert [r["health"]["state"] for r in st["replicas"][1:]] == ["removed", "up"]
