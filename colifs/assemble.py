@@ -27,7 +27,7 @@ from colifs.namespace import Namespace
 from colifs.probe import ProbeResult, probe, table, weights_from
 from colifs.readplan import Router
 from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
-from colifs.reload import Reloader, Reloads
+from colifs.reload import Reloader, Reloads, Weight
 from colifs.replicas import Identity, Replica
 from colifs.stats import Counters, DriveCounters, MountInfo, Stats
 from colifs.tree import Tree
@@ -74,6 +74,11 @@ class _Routing:
     def held(self, weights: list[float]) -> list[float]:
         """Plain weights -> the weights for the files the mirrors hold (partial mirrors get more)."""
         return weights if self.by_set is None else partial_weights(weights, self.by_set)[0]
+
+    def move(self, index: int, root: str) -> None:
+        """A removed mirror's slot serves another directory (colifs mirror add): every part holds
+        this one list of replicas, so each sees the new root."""
+        self.replicas[index] = replace(self.replicas[index], root=root)
 
     def recount(self, files: Mapping[int, ServedFile], history: Usage, weights: list[float]) -> None:
         """The traffic per set of copies again, once a reload changed the copies."""
@@ -176,16 +181,25 @@ class _Parts:
 
     def _reloader(
         self, stats: Stats, set_copy: Callable[[ServedFile, int, Identity | None], bool],
-        apply: Callable[[list[float]], None],
+        apply: Callable[[list[float]], None], set_root: Callable[[int, str], None] | None = None,
     ) -> Reloader:  # fmt: skip
-        def reweigh(weight: tuple[int, float] | None) -> None:
+        def reweigh(weight: Weight | None) -> None:
             if weight is not None:
-                self.balancer.set_weight(*weight, "given by colifs mirror add")
+                value = weight.value * (self.balancer.weights[0] if weight.of_primary else 1.0)
+                why = "measured by colifs mirror add" if weight.of_primary else "given by colifs mirror add"
+                self.balancer.set_weight(weight.drive, value, why)
             self.routing.recount(self.files, self.history, self.balancer.weights)
             stats.set_partial(self.routing.partial)
             apply(self.routing.held(self.balancer.weights))
 
-        return Reloader(self.tree, self.files, self.replicas, self.health, set_copy, reweigh, self.reloads)
+        def move(index: int, root: str) -> None:
+            self.routing.move(index, root)
+            if set_root is not None:  # the native engine opens copies from its own roots
+                set_root(index, root)
+
+        return Reloader(
+            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, move, self.reloads
+        )  # fmt: skip
 
     def _adaptive(
         self,
@@ -266,5 +280,5 @@ class _Parts:
         )
         speeds = engine.set_speeds if cfg.routing == "queue" else None  # only queue routing uses them
         adaptive = self._adaptive(counters.activity, engine.set_weights, speeds)
-        reloader = self._reloader(stats, engine.set_copy, engine.set_weights)
+        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine.set_root)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)

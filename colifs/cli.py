@@ -336,19 +336,22 @@ def parser() -> argparse.ArgumentParser:
         help="take a mirror away from a mount, or bring it back, while it serves",
         description="Take a mirror away from a mount while it serves (no new read goes to it, reads in "
         "flight on it finish, then every descriptor the daemon holds there is closed: its drive can be "
-        "unmounted), or bring a removed one back (validated as at mount). A mirror not named at mount "
-        "joins at the next mount.",
+        "unmounted), or bring a removed one back, or a new directory in its place (validated as at "
+        "mount). A mount keeps the number of mirrors it was mounted with.",
     )
     msub = mi.add_subparsers(dest="mirror_command", required=True, metavar="ACTION", help="remove or add")
     for action, help_ in (
         ("remove", "take MIRROR away; returns once no descriptor is left on it"),
-        ("add", "bring MIRROR back (removed before); its valid copies serve at once"),
+        ("add", "bring MIRROR back, or a new one in a removed one's place; its copies serve at once"),
     ):
         a = msub.add_parser(action, help=help_, description=help_[0].upper() + help_[1:] + ".")
         a.add_argument("mountpoint", help="a colifs mount point")
-        a.add_argument("dir", metavar="MIRROR", help="the mirror's directory, as named at mount")
+        a.add_argument("dir", metavar="MIRROR", help="the mirror's directory")
         if action == "add":
-            a.add_argument("--weight", type=float, metavar="W", help="its weight (default: the one it had)")
+            a.add_argument(
+                "--weight", type=float, metavar="W",
+                help="its weight, as in --weights (default: the one it had; a new directory's is measured)",
+            )  # fmt: skip
         a.add_argument(
             "--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds (default: 60)"
         )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the daemon's side needs trio; the client's (colifs mirror) 
 log = logging.getLogger("colifs")
 
 MAX_REQUEST = 64 * 1024  # bytes: a request is a command name and a path or two
+REQUEST_WITHIN = 10.0  # s a client has to send its request (a silent one holds a task and a descriptor)
 Handler = Callable[[dict], Awaitable[dict]]
 
 
@@ -73,16 +74,27 @@ class Control:
     async def _handle(self, stream: trio.SocketStream) -> dict:
         if not _allowed(stream.socket):
             raise QuietError("not allowed: run as root or as the daemon's user")
-        request = await _read_line(stream)
+        import trio
+
+        request: dict = {}
+        with trio.move_on_after(REQUEST_WITHIN) as waited:
+            request = await _read_line(stream)
+        if waited.cancelled_caught:
+            raise QuietError(f"bad request: none within {REQUEST_WITHIN:g} s")
         handler = self.handlers.get(request.get("command", ""))
         if handler is None:
             raise QuietError(f"unknown command {request.get('command')!r} (an older or newer colifs?)")
         return {"ok": await handler(request)}
 
 
+def _peer(sock: socket.socket | trio.socket.SocketType) -> tuple[int, int]:
+    """(pid, uid) of the process at the other end, as the kernel vouches for them."""
+    pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
 def _allowed(sock: trio.socket.SocketType) -> bool:
-    _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return uid in (0, os.geteuid())
+    return _peer(sock)[1] in (0, os.geteuid())
 
 
 async def _read_line(stream: trio.SocketStream) -> dict:
@@ -112,6 +124,8 @@ def ask(pid: int, request: dict, timeout: float) -> dict:
         s.settimeout(timeout)
         try:
             s.connect(address(pid))
+            if _peer(s)[0] != pid:  # any process may bind an abstract name: only the daemon is asked
+                raise NoAnswer(f"the control socket of daemon {pid} is held by process {_peer(s)[0]}")
             s.sendall(json.dumps(request).encode() + b"\n")
             data = b""
             while not data.endswith(b"\n"):

@@ -36,7 +36,7 @@ class MirrorPolicy:
         files: Sequence[ServedFile],
         set_up: Callable[[int, bool], None],
     ) -> None:
-        self.replicas = list(replicas)
+        self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.health = health
         self.files = list(files)  # what check reads read from
         self._set_up = set_up

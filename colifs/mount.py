@@ -22,7 +22,7 @@ from colifs.assemble import Assembly, assemble
 from colifs.backing import BackingIO
 from colifs.config import MountConfig
 from colifs.control import Control
-from colifs.errors import MountError
+from colifs.errors import MountError, UsageError
 from colifs.kernel import MountEntry, Tuning, mount_at
 from colifs.logs import RecentWarnings
 from colifs.namespace import STATS_INO
@@ -98,15 +98,25 @@ def _control(asm: Assembly) -> Control:
     """The commands with arguments: a mirror taken away or brought back while serving."""
 
     async def remove(request: dict) -> dict:
-        return await asm.reloader.remove_mirror(str(request["path"]), float(request["wait"]))
+        return await asm.reloader.remove_mirror(str(request["path"]), _positive(request, "wait"))
 
     async def add(request: dict) -> dict:
-        weight = request.get("weight")
-        return await asm.reloader.add_mirror(
-            str(request["path"]), None if weight is None else float(weight), float(request["wait"])
-        )
+        weight = None if request.get("weight") is None else _positive(request, "weight")
+        return await asm.reloader.add_mirror(str(request["path"]), weight, _positive(request, "wait"))
 
     return Control({"mirror-remove": remove, "mirror-add": add})
+
+
+def _positive(request: dict, key: str) -> float:
+    """A number the client sent: finite and above 0, or the request is refused (a NaN wait would
+    hold the reload lock for ever, a negative weight would reach the routes)."""
+    try:
+        x = float(request[key])
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"bad request: {key} must be a number") from None
+    if not 0 < x < math.inf:
+        raise UsageError(f"bad request: {key} must be a positive number, not {x:g}")
+    return x
 
 
 @contextlib.contextmanager

@@ -70,7 +70,7 @@ class Namespace:
         self.tree = tree
         self.files = files
         self.stats = stats
-        self.replicas = list(replicas)
+        self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self._drive_at = drive_at  # the drive that serves a byte now (the engine knows health)
         self._control_sizes: dict[int, int] = {}  # grows only (see snapshot)
         self._attrs = {ino: self._node_attr(ino) for ino in tree.nodes}

@@ -376,6 +376,10 @@ class NativeEngine:
         """A reload's verdict on a mirror copy (colifs.reload); False: the file is busy, ask again."""
         return self.engine.set_copy(self._index[id(f)], drive, identity)
 
+    def set_root(self, drive: int, root: str) -> None:
+        """A removed mirror's slot serves another directory (colifs mirror add)."""
+        self.engine.set_root(drive, os.fsencode(root))
+
     def set_speeds(self, rates: list[float | None]) -> None:
         """Each drive's measured bytes/s (None: not measured yet), for --routing queue."""
         self.engine.set_speeds([round(r) if r else 0 for r in rates])

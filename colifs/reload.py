@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 import trio
 
 from colifs.catalogue import ServedFile, mirror_problem, vouched_copies
+from colifs.devices import one_drive
 from colifs.errors import BusyError, UsageError
 from colifs.formats import format_for
 from colifs.formats.layout import LayoutError
 from colifs.formats.moe import Configs
 from colifs.health import Health
 from colifs.kernel import held_under
+from colifs.probe import probe_replica
 from colifs.replicas import Identity, Replica
 from colifs.tree import Tree
 
@@ -34,6 +36,16 @@ log = logging.getLogger("colifs")
 BUSY_RETRY = 0.05  # s between tries of a copy whose file is busy retiring descriptors
 BUSY_GIVE_UP = 5.0  # s after which such a copy waits for the next reload
 CLOSED_POLL = 0.05  # s between looks at the descriptors a removed mirror still has open
+MEASURE_S = 1.0  # s each of the probes that weigh a new mirror against the primary
+
+
+@dataclass(frozen=True)
+class Weight:
+    """A weight given while serving: `value`, or `value` times the primary's weight in force."""
+
+    drive: int
+    value: float
+    of_primary: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,15 +141,17 @@ class Reloader:
         replicas: Sequence[Replica],
         health: Sequence[Health],
         set_copy: Callable[[ServedFile, int, Identity | None], bool],
-        reweigh: Callable[[tuple[int, float] | None], None],
+        reweigh: Callable[[Weight | None], None],
+        move: Callable[[int, str], None],
         record: Reloads,
     ) -> None:
         self.tree = tree
         self.files = files
-        self.replicas = list(replicas)
+        self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.health = health
         self._set_copy = set_copy
         self._reweigh = reweigh
+        self._move = move  # a removed mirror's slot gets a new directory (the engine, the replicas)
         self.record = record
         self._lock = trio.Lock()
         self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors left
@@ -196,7 +210,7 @@ class Reloader:
         stays busy past `give_up` seconds keeps its old state until the next reload."""
         applied, waiting = [], list(verdicts)
         deadline = time.monotonic() + give_up
-        while waiting and time.monotonic() <= deadline:
+        while waiting:  # one pass at least, whatever `give_up`
             later = []
             for v in waiting:
                 f = self.files[v.ino]
@@ -206,8 +220,9 @@ class Reloader:
                 f.recheck(v.drive, v.identity, self.replicas[v.drive].root, v.why)
                 applied.append(v)
             waiting = later
-            if waiting:
-                await trio.sleep(BUSY_RETRY)
+            if not waiting or time.monotonic() > deadline:
+                break
+            await trio.sleep(BUSY_RETRY)
         for v in waiting:
             log.warning("reload: %s: mirror %s: busy, left as it was until the next reload",
                         self.files[v.ino].relpath, self.replicas[v.drive].root)  # fmt: skip
@@ -249,7 +264,8 @@ class Reloader:
             h = self.health[r.index]
             if h.removed_at is not None and r.index not in self._unfinished:
                 raise UsageError(f"{path} was removed already (colifs mirror add puts it back)")
-            held = [ino for ino, f in self.files.items() if r.index in f.copies]
+            # With the copies dropped as changed while serving: the engine may hold their descriptors.
+            held = [ino for ino, f in self.files.items() if r.index in f.copies or r.index in f.identities]
             t0 = time.monotonic()
             h.remove()
             log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
@@ -267,9 +283,9 @@ class Reloader:
             if busy or left:
                 self._unfinished.add(r.index)
                 raise BusyError(
-                    f"{r.root}: no new read goes to it, but after {wait:g} s {len(busy)} files still "
-                    f"read from it and {len(left)} descriptors are open there (a read stuck in the "
-                    "drive?); run colifs mirror remove again"
+                    f"{r.root}: after {wait:g} s, {len(busy)} files are still read from it and "
+                    f"{len(left)} descriptors are open there (a read stuck in the drive?); its other "
+                    "files no longer use it; run colifs mirror remove again"
                 )
             self._unfinished.discard(r.index)
             log.info("mirror %s: removed in %.2f s; no descriptor left on it", r.root, change["seconds"])
@@ -284,46 +300,90 @@ class Reloader:
             await trio.sleep(CLOSED_POLL)
 
     async def add_mirror(self, path: str, weight: float | None, wait: float) -> dict:
-        """Bring back mirror `path` (removed before): validated as at mount (size, header,
-        receipt), its valid copies serve at once, with `weight` if given (else the one it had)."""
+        """A mirror joins: one removed before (its drive back), or a new directory in the slot of
+        one removed (a mount keeps the number of mirrors it was mounted with). Validated as at
+        mount (size, header, receipt), its valid copies serve at once, with `weight` if given;
+        else a new directory's is measured (a short probe against the primary), a removed one's
+        is the one it had."""
         async with self._lock:
-            r = self._replica(path)
-            if r is not None and r.index == 0:
-                raise UsageError(f"{path} is the primary of this mount, not a mirror")
-            if r is not None and self.health[r.index].removed_at is None:
-                raise UsageError(f"{path} is a mirror of this mount already")
-            if r is None:
-                raise UsageError(
-                    f"{path} was not a mirror of this mount: a mirror not named at mount joins at the "
-                    f"next mount (name it in the mount command or fstab); removed ones can be added back"
-                )
-            if not os.path.isdir(r.root):
-                raise UsageError(f"{r.root} is not a directory (is its drive mounted?)")
+            slot, new = self._slot(path)
+            root = os.path.abspath(path) if new else slot.root
+            if not os.path.isdir(root):
+                raise UsageError(f"{root} is not a directory (is its drive mounted?)")
             t0 = time.monotonic()
+            candidate = Replica(slot.index, root, slot.weight)
             verdicts, _ = await trio.to_thread.run_sync(
-                recheck, self.tree, self.files, [self.replicas[0], r], abandon_on_cancel=True
+                recheck, self.tree, self.files, [self.replicas[0], candidate], abandon_on_cancel=True
             )
             if not any(v.identity is not None for v in verdicts):
                 raise UsageError(
-                    f"{r.root} holds no copy of this model's files that matches the primary's "
+                    f"{root} holds no copy of this model's files that matches the primary's "
                     "(size and header): not a replica; nothing changed"
                 )
-            self.health[r.index].restore()
-            self._unfinished.discard(r.index)
+            if new:
+                self._move(slot.index, root)
+                one_drive([r.root for r in self.replicas])
+            self.health[slot.index].restore()
+            self._unfinished.discard(slot.index)
             applied, busy = await self._apply([v for v in verdicts if v.identity is not None], wait)
             vouched = await trio.to_thread.run_sync(
                 vouched_copies, self.files, self.tree, self.replicas, abandon_on_cancel=True
             )
             for ino, f in self.files.items():
                 f.vouch(vouched.get(ino, ()))
-            self._reweigh(None if weight is None else (r.index, weight))
             change = {
-                "command": "add", "path": r.root, "files": len(applied), "busy": len(busy),
-                "weight": weight, "seconds": round(time.monotonic() - t0, 3),
-            }  # fmt: skip
+                "command": "add",
+                "path": root,
+                "files": len(applied),
+                "busy": len(busy),
+                "weight": weight,
+            }
+            if weight is not None:
+                self._reweigh(Weight(slot.index, weight))
+            elif new:
+                ratio = await trio.to_thread.run_sync(self._measure, slot.index, abandon_on_cancel=True)
+                if ratio is not None:
+                    self._reweigh(Weight(slot.index, ratio, of_primary=True))
+                change["measured_vs_primary"] = ratio
+            else:
+                self._reweigh(None)
+            change["seconds"] = round(time.monotonic() - t0, 3)
             self.record.changed_mirror(change)
-            log.info("mirror %s: added back, %d files served from it", r.root, len(applied))
+            log.info("mirror %s: added, %d files served from it", root, len(applied))
             return change
+
+    def _slot(self, path: str) -> tuple[Replica, bool]:
+        """Where mirror `path` joins: its own slot (removed before), or (new: True) the first slot
+        of a mirror removed. UsageError when it may not."""
+        r = self._replica(path)
+        if r is not None and r.index == 0:
+            raise UsageError(f"{path} is the primary of this mount, not a mirror")
+        if r is not None and self.health[r.index].removed_at is None:
+            raise UsageError(f"{path} is a mirror of this mount already")
+        if r is not None:
+            return r, False
+        removed = [x for x in self.replicas[1:] if self.health[x.index].removed_at is not None]
+        free = [x for x in removed if x.index not in self._unfinished]
+        if not free:
+            raise UsageError(
+                f"{path}: no free mirror slot: a mount keeps the number of mirrors it was mounted "
+                f"with ({len(self.replicas) - 1}); remove one first (colifs mirror remove), or name "
+                "it at the next mount"
+            )
+        return free[0], True
+
+    def _measure(self, drive: int) -> float | None:
+        """The new mirror's read rate over the primary's, each probed alone for a moment (what a
+        mount without weights does); None when either holds nothing to read."""
+        new, primary = (
+            probe_replica(self.replicas[d], list(self.files.values()), MEASURE_S) for d in (drive, 0)
+        )
+        if not new.mb_per_s or not primary.mb_per_s:
+            return None
+        log.info(
+            "mirror %s: probed %.0f MB/s, primary %.0f MB/s", new.replica.root, new.mb_per_s, primary.mb_per_s
+        )
+        return new.mb_per_s / primary.mb_per_s
 
     def _mirrors(self) -> str:
         return "its mirrors: " + (", ".join(r.root for r in self.replicas[1:]) or "none")

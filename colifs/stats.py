@@ -112,7 +112,7 @@ class Stats:
         balance: Callable[[], dict],
         reloads: Callable[[], dict],
     ) -> None:
-        self.replicas = list(replicas)
+        self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.info = info
         self.started = time.time()
         self.counters = counters

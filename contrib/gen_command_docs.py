@@ -38,7 +38,8 @@ colifs bench /fast/m /second/m --weights 9,3                  # the drives' own 
 colifs bench /mnt/model --zipf 1.0 --mmap""",
     "completion": """colifs completion bash > /etc/bash_completion.d/colifs""",
     "mirror": """colifs mirror remove /mnt/model /second/m && umount /second     # the drive is free at once
-colifs mirror add /mnt/model /second/m --weight 3                 # back (its drive mounted again)""",
+colifs mirror add /mnt/model /second/m --weight 3                 # back (its drive mounted again)
+colifs mirror add /mnt/model /new-ssd/m                           # or a replacement, weight measured""",
 }
 
 

@@ -204,7 +204,9 @@ typedef struct {
 
 typedef struct engine {
     int nrep, ncols;
-    char *roots[MAX_REPLICAS];
+    char *_Atomic roots[MAX_REPLICAS]; /* a mirror's changes (set_root) only while none of its
+                                           copies is in use; the old string is kept until close:
+                                           a drive thread may be building a path from it */
     int direct_io;             /* open the drives O_DIRECT (fallback to buffered per file system) */
     double mirror_timeout;     /* seconds; 0: wait for ever */
     int fuse_threads, drive_threads;

@@ -18,6 +18,8 @@ typedef struct {
     PyObject *control, *xattr, *listxattr, *event;
     Py_buffer counters; /* Python's memory: it reads the counters while this engine writes them */
     int mounted, destroyed, have_counters;
+    char **old_roots; /* mirrors' roots replaced by set_root, freed with the engine */
+    size_t nold_roots;
 } EngineObject;
 
 #define WAKE_SIGNAL (SIGRTMIN + 5) /* interrupts the loop's wait once the session is told to exit */
@@ -651,6 +653,28 @@ static PyObject *Engine_set_copy(EngineObject *self, PyObject *args) {
     return PyBool_FromLong(err == 0);
 }
 
+/* set_root(drive, root): a removed mirror's slot serves another directory (colifs mirror add).
+ * Python calls it only while no file has a copy on the drive. */
+static PyObject *Engine_set_root(EngineObject *self, PyObject *args) {
+    int drive;
+    PyObject *root;
+    if (!PyArg_ParseTuple(args, "iO", &drive, &root))
+        return NULL;
+    if (drive < 1 || drive >= self->e.nrep) {
+        PyErr_SetString(PyExc_ValueError, "no such mirror");
+        return NULL;
+    }
+    char **grown = realloc(self->old_roots, (self->nold_roots + 1) * sizeof *grown);
+    if (!grown)
+        return PyErr_NoMemory();
+    self->old_roots = grown;
+    char *s = dup_bytes(root);
+    if (!s)
+        return NULL;
+    self->old_roots[self->nold_roots++] = atomic_exchange(&self->e.roots[drive], s);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_set_routes(EngineObject *self, PyObject *args) {
     Py_buffer b;
     if (!PyArg_ParseTuple(args, "y*", &b))
@@ -775,6 +799,9 @@ static void Engine_dealloc(EngineObject *self) {
         PyBuffer_Release(&self->counters);
     for (int d = 0; d < e->nrep; d++)
         free(e->roots[d]);
+    for (size_t i = 0; i < self->nold_roots; i++)
+        free(self->old_roots[i]);
+    free(self->old_roots);
     free(e->mountpoint);
     Engine_clear(self); /* the callbacks: quiescent, so it lets them go */
     Py_TYPE(self)->tp_free((PyObject *)self);
@@ -790,6 +817,8 @@ static PyMethodDef Engine_methods[] = {
     {"set_copy", (PyCFunction)Engine_set_copy, METH_VARARGS,
      "set_copy(file, drive, identity or None): a reload's verdict on a mirror copy (False: busy, "
      "ask again)."},
+    {"set_root", (PyCFunction)Engine_set_root, METH_VARARGS,
+     "set_root(drive, root): a removed mirror's slot serves another directory (no copy in use)."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,

@@ -62,7 +62,8 @@ class OpenFile:
     epochs: list[int]  # per replica: the Reader's epoch when its descriptor was opened
     retired: list[tuple[int, int]] = field(default_factory=list)  # (drive, fd) replaced: closed once unread
     refs: int = 1
-    mirror_reads: int = 0  # mirror reads running (or given up on and not returned): they may use a retired fd
+    # Per mirror: reads running (or given up on and not returned); they may use its retired fds.
+    mirror_reads: dict[int, int] = field(default_factory=dict)
 
     def hold(self) -> None:
         self.refs += 1
@@ -110,20 +111,20 @@ class OpenFile:
         else:
             self.detached.discard(drive)
 
-    def mirror_read_starts(self) -> None:
+    def mirror_read_starts(self, drive: int) -> None:
         self.hold()
-        self.mirror_reads += 1
+        self.mirror_reads[drive] = self.mirror_reads.get(drive, 0) + 1
 
-    def mirror_read_ends(self) -> list[tuple[int, int]]:
+    def mirror_read_ends(self, drive: int) -> list[tuple[int, int]]:
         """One mirror read fewer (release the hold apart): the retired descriptors to close now."""
-        self.mirror_reads -= 1
+        self.mirror_reads[drive] -= 1
         return self.unread_retired()
 
     def unread_retired(self) -> list[tuple[int, int]]:
-        """The retired descriptors, taken, if no mirror read runs (none can use them any more)."""
-        if self.mirror_reads > 0:
-            return []
-        out, self.retired = self.retired, []
+        """The retired descriptors of the mirrors with no read running, taken: none can use them
+        any more (per mirror: another mirror's reads must not keep them open)."""
+        out = [(d, fd) for d, fd in self.retired if not self.mirror_reads.get(d)]
+        self.retired = [(d, fd) for d, fd in self.retired if self.mirror_reads.get(d)]
         return out
 
     def stop_using(self, drive: int) -> None:
@@ -156,7 +157,7 @@ class Reader:
         self._down: set[int] = set()
         self._epoch = [0] * len(replicas)  # +1 each time a mirror comes back up: reopen its copies
         self._went_down = trio.Event()
-        self.replicas = list(replicas)
+        self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.workers = list(workers)
         self.io = io
         self.stats = stats
@@ -233,9 +234,10 @@ class Reader:
                 if fd is not None:
                     self._close(d, fd)
 
-    def _mirror_read_done(self, of: OpenFile) -> None:
-        """A mirror read returned (in time or late): the retired descriptors close once none runs."""
-        for d, fd in of.mirror_read_ends():
+    def _mirror_read_done(self, of: OpenFile, drive: int) -> None:
+        """A mirror read returned (in time or late): its mirror's retired descriptors close once
+        none runs there."""
+        for d, fd in of.mirror_read_ends(drive):
             self._close(d, fd)
         self.release(of)
 
@@ -336,12 +338,16 @@ class Reader:
         # Each mirror read holds the file open until it returns, even given up on: a descriptor
         # closed under it could have its number reused by another open before its pread.
         mirror_reads = [k for k, i in enumerate(waiting) if runs[i][2] != 0]
-        for _ in mirror_reads:
-            of.mirror_read_starts()
-        outcomes = await gather(calls, lambda _k, _late: self._mirror_read_done(of)) if calls else []
+        for k in mirror_reads:
+            of.mirror_read_starts(runs[waiting[k]][2])
+
+        def late(k: int, _result: outcome.Outcome) -> None:  # only mirror reads are ever late
+            self._mirror_read_done(of, runs[waiting[k]][2])
+
+        outcomes = await gather(calls, late) if calls else []
         for k in mirror_reads:
             if outcomes[k] is not None:  # in time (a late one lets go when it returns)
-                self._mirror_read_done(of)
+                self._mirror_read_done(of, runs[waiting[k]][2])
         for i, result in zip(waiting, outcomes, strict=True):
             if result is None:
                 timeout = self.workers[runs[i][2]].timeout

@@ -5,6 +5,7 @@ removed mirror's drive (it unmounts), the mirror back takes traffic again, bad i
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 import shutil
 import subprocess
@@ -140,7 +141,7 @@ def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_pat
         refuse(["mirror", "remove", str(mnt), str(other)], 2, "is not a mirror of this mount")
         refuse(["mirror", "add", str(mnt), str(mirror)], 2, "is a mirror of this mount already")
         refuse(["mirror", "add", str(mnt), str(primary)], 2, "is the primary")
-        refuse(["mirror", "add", str(mnt), str(other)], 2, "was not a mirror of this mount")
+        refuse(["mirror", "add", str(mnt), str(other)], 2, "no free mirror slot")
         refuse(["mirror", "add", str(mnt), str(mirror), "--weight", "-1"], 2, "--weight must be")
         refuse(["mirror", "remove", str(tmp_path), str(mirror)], 3, "is not a colifs mount")
         assert run_colifs("mirror", "remove", str(mnt), str(mirror)).returncode == 0
@@ -152,6 +153,7 @@ def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_pat
         (mirror / shards(real)[0].name).write_bytes(b"not a shard")
         try:
             refuse(["mirror", "add", str(mnt), str(mirror)], 2, "not a replica")
+            refuse(["mirror", "add", str(mnt), str(other)], 2, "not a replica")  # a new one, in the free slot
             assert m.stats()["replicas"][1]["health"]["state"] == "removed"
         finally:
             shutil.rmtree(mirror)
@@ -188,3 +190,62 @@ def test_one_of_two_mirrors_removed_under_readers_while_the_other_serves_on(mode
         st = m.stats()
         assert st["replicas"][2]["bytes_served"] > before  # the other mirror serves on
         assert [r["health"]["state"] for r in st["replicas"][1:]] == ["removed", "up"]
+
+
+def test_a_new_directory_takes_a_removed_mirrors_place_while_readers_stream(model, tmp_path: Path) -> None:
+    """The old mirror's drive failed, a new one holds a copy elsewhere: remove, add the new one (its
+    weight measured), readers never see an error; the old directory is never opened again."""
+    primary, mirror, mnt = model
+    new = tmp_path / "new"
+    shutil.copytree(mirror, new)
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        with streaming(mnt, want, 4) as (errors, rounds):
+            assert run_colifs("mirror", "remove", str(mnt), str(mirror)).returncode == 0
+            out = run_colifs("mirror", "add", str(mnt), str(new))
+            assert out.returncode == 0, out.stderr
+            assert out.stdout.startswith(f"mirror {new} added: 3 files served from it"), out.stdout
+            st = m.stats()
+            before = st["replicas"][1]["bytes_served"]
+            done = list(rounds)
+            deadline = time.monotonic() + 30
+            while min(r - d for r, d in zip(rounds, done, strict=True)) < 1:
+                assert not errors and time.monotonic() < deadline, (rounds, errors[:1])
+                time.sleep(0.05)
+            assert held_there(st["pid"], mirror) == [] and held_there(st["pid"], new)
+        assert not errors, errors[0]
+        st = m.stats()
+        assert st["replicas"][1]["path"] == str(new) and st["replicas"][1]["bytes_served"] > before
+        assert st["reload"]["mirror_change"]["measured_vs_primary"] > 0
+        assert all(f["replicas"] == [str(primary), str(new)] for f in st["files"].values())
+        assert run_colifs("reload", str(mnt)).stdout.startswith(f"mirror {new}: 0 files added, 0 dropped")
+        refuse(["mirror", "add", str(mnt), str(mirror)], 2, "no free mirror slot")
+
+
+@pytest.mark.daemon_warns(r"changed since mount")
+def test_a_copy_dropped_as_changed_while_its_file_stays_open_is_closed_by_a_removal(model) -> None:
+    """A mirror copy found changed stops serving, but its file stays open (a server holds it):
+    the engine still holds that copy's descriptor, and the removal must close it too."""
+    primary, mirror, mnt = model
+    shard = shards(mirror)[0]
+    st0 = shard.stat()
+    want = (primary / shard.name).read_bytes()
+    buf = mmap.mmap(-1, len(want))
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        fd = os.open(mnt / shard.name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            assert os.preadv(fd, [buf], 0) == len(want) and buf[:] == want
+            pid = m.stats()["pid"]
+            assert any(p.endswith(shard.name) for p in held_there(pid, mirror))
+            os.utime(shard, ns=(st0.st_atime_ns, st0.st_mtime_ns + 10**9))  # changed under the mount
+            deadline = time.monotonic() + 20
+            while m.stats()["files"][shard.name]["replicas"] != [str(primary)]:
+                assert time.monotonic() < deadline, "the changed copy was not dropped"
+                assert os.preadv(fd, [buf], 0) == len(want) and buf[:] == want
+            os.utime(shard, ns=(st0.st_atime_ns, st0.st_mtime_ns))  # as it was (the snapshot check)
+            out = run_colifs("mirror", "remove", str(mnt), str(mirror), "--timeout", "10")
+            assert out.returncode == 0, out.stderr
+            assert held_there(pid, mirror) == []
+            assert os.preadv(fd, [buf], 0) == len(want) and buf[:] == want
+        finally:
+            os.close(fd)

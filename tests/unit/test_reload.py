@@ -13,7 +13,8 @@ from colifs.catalogue import build_files
 from colifs.checks import check_roots
 from colifs.errors import BusyError, UsageError
 from colifs.health import Health
-from colifs.reload import Reloader, Reloads, recheck
+from colifs.reload import Reloader, Reloads, Weight, recheck
+from colifs.replicas import Replica
 from colifs.synth import write_checkpoint
 from colifs.tree import Tree
 
@@ -79,7 +80,7 @@ def test_the_reloader_puts_the_verdicts_in_force_and_counts(tmp_path: Path) -> N
 
     record = Reloads()
     health = [Health() for _ in replicas]
-    reloader = Reloader(tree, files, replicas, health, set_copy, reweighed.append, record)
+    reloader = Reloader(tree, files, replicas, health, set_copy, reweighed.append, print, record)
     shown = trio.run(reloader.reload)
     assert calls == [(names[2], 1, True)] and reweighed == [None]
     assert by_name(files)[names[2]].copies == (0, 1) and 1 in by_name(files)[names[2]].identities
@@ -111,7 +112,7 @@ def test_a_mirror_removed_and_added_back(tmp_path: Path) -> None:
 
     health = [Health() for _ in replicas]
     record = Reloads()
-    reloader = Reloader(tree, files, replicas, health, set_copy, weights.append, record)
+    reloader = Reloader(tree, files, replicas, health, set_copy, weights.append, print, record)
     held = open(mirror / sorted(by_name(files))[0], "rb")  # noqa: SIM115 (an engine's descriptor, closed below)
 
     async def remove() -> dict:
@@ -139,21 +140,44 @@ def test_a_mirror_removed_and_added_back(tmp_path: Path) -> None:
     aside.rename(mirror)
     assert health[1].removed_at is not None  # refused: nothing changed
     change = trio.run(reloader.add_mirror, str(mirror), 2.5, 1.0)
-    assert change["files"] == 3 and all(copies.values()) and weights[-1] == (1, 2.5)
+    assert change["files"] == 3 and all(copies.values()) and weights[-1] == Weight(1, 2.5)
     assert all(f.copies == (0, 1) for f in by_name(files).values()) and health[1].removed_at is None
     with pytest.raises(UsageError, match="a mirror of this mount already"):
         trio.run(reloader.add_mirror, str(mirror), None, 1.0)
-    with pytest.raises(UsageError, match="was not a mirror"):
+    with pytest.raises(UsageError, match="no free mirror slot"):
         trio.run(reloader.add_mirror, str(tmp_path), None, 1.0)
 
 
 def test_a_removal_whose_descriptors_stay_open_says_so_and_stays_removed(tmp_path: Path) -> None:
     tree, files, replicas, _, mirror = catalogue(tmp_path, 3)
     health = [Health() for _ in replicas]
-    reloader = Reloader(tree, files, replicas, health, lambda *_: True, lambda _: None, Reloads())
+    reloader = Reloader(tree, files, replicas, health, lambda *_: True, print, print, Reloads())
     with open(mirror / sorted(by_name(files))[1], "rb"):  # a read stuck in the drive, say
         with pytest.raises(BusyError, match="1 descriptors are open there"):
             trio.run(reloader.remove_mirror, str(mirror), 0.3)
         assert health[1].removed_at is not None
         assert all(f.copies == (0,) for f in by_name(files).values())
     assert trio.run(reloader.remove_mirror, str(mirror), 1.0)["descriptors_left"] == 0  # again: done
+
+
+def test_a_new_directory_joins_in_a_removed_mirrors_slot_with_a_measured_weight(tmp_path: Path) -> None:
+    tree, files, replicas, _, mirror = catalogue(tmp_path, 3)
+    other = tmp_path / "other"
+    shutil.copytree(mirror, other)
+    weights, moved = [], []
+    health = [Health() for _ in replicas]
+
+    def move(index: int, root: str) -> None:
+        moved.append((index, root))
+        replicas[index] = Replica(index, root, replicas[index].weight)
+
+    reloader = Reloader(tree, files, replicas, health, lambda *_: True, weights.append, move, Reloads())
+    trio.run(reloader.remove_mirror, str(mirror), 1.0)
+    change = trio.run(reloader.add_mirror, str(other), None, 1.0)
+    assert moved == [(1, str(other))] and change["path"] == str(other) and change["files"] == 3
+    assert weights[-1].drive == 1 and weights[-1].of_primary and weights[-1].value > 0
+    assert all(f.copies == (0, 1) for f in by_name(files).values())
+    with pytest.raises(UsageError, match="is a mirror of this mount already"):
+        trio.run(reloader.add_mirror, str(other), None, 1.0)
+    with pytest.raises(UsageError, match="no free mirror slot"):
+        trio.run(reloader.add_mirror, str(mirror), None, 1.0)  # its old slot is the new one's now
