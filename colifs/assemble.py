@@ -12,7 +12,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from colifs.backing import BackingIO, OsIO
 from colifs.balance import Adaptive, Balancer
@@ -29,11 +29,22 @@ from colifs.readplan import Router
 from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
 from colifs.reload import Reloader, Reloads, Weight
 from colifs.replicas import Identity, Replica
+
+if TYPE_CHECKING:
+    from colifs.pyfuse3.reader import Reader
 from colifs.stats import Counters, DriveCounters, MountInfo, Stats
 from colifs.tree import Tree
 from colifs.usage import Usage
 
 log = logging.getLogger("colifs")
+
+
+class _Membership(Protocol):
+    """What an engine does when a mirror joins while serving (colifs mirror add)."""
+
+    def set_root(self, index: int, root: str) -> None: ...  # a removed mirror's slot, another directory
+
+    def add_drive(self, root: str, weights: list[float]) -> None: ...  # one more, no copy on it yet
 
 
 class Engine(Protocol):
@@ -75,10 +86,14 @@ class _Routing:
         """Plain weights -> the weights for the files the mirrors hold (partial mirrors get more)."""
         return weights if self.by_set is None else partial_weights(weights, self.by_set)[0]
 
-    def move(self, index: int, root: str) -> None:
-        """A removed mirror's slot serves another directory (colifs mirror add): every part holds
-        this one list of replicas, so each sees the new root."""
+    def place(self, root: str, weight: float, index: int | None) -> int:
+        """A mirror directory joins (colifs mirror add): in a removed one's slot, or (None) in a new
+        one; its index. Every part holds this one list of replicas, so each sees it."""
+        if index is None:
+            self.replicas.append(Replica(len(self.replicas), root, weight))
+            return len(self.replicas) - 1
         self.replicas[index] = replace(self.replicas[index], root=root)
+        return index
 
     def recount(self, files: Mapping[int, ServedFile], history: Usage, weights: list[float]) -> None:
         """The traffic per set of copies again, once a reload changed the copies."""
@@ -181,7 +196,7 @@ class _Parts:
 
     def _reloader(
         self, stats: Stats, set_copy: Callable[[ServedFile, int, Identity | None], bool],
-        apply: Callable[[list[float]], None], set_root: Callable[[int, str], None] | None = None,
+        apply: Callable[[list[float]], None], engine: _Membership,
     ) -> Reloader:  # fmt: skip
         def reweigh(weight: Weight | None) -> None:
             if weight is not None:
@@ -192,13 +207,20 @@ class _Parts:
             stats.set_partial(self.routing.partial)
             apply(self.routing.held(self.balancer.weights))
 
-        def move(index: int, root: str) -> None:
-            self.routing.move(index, root)
-            if set_root is not None:  # the native engine opens copies from its own roots
-                set_root(index, root)
+        def place(root: str, weight: float | None, index: int | None) -> int:
+            if index is not None:
+                engine.set_root(index, root)
+                return self.routing.place(root, 1.0, index)
+            w = self.balancer.weights[0] if weight is None else weight  # until measured
+            index = self.routing.place(root, w, None)
+            self.health.append(Health())
+            self.balancer.grow(w)
+            stats.grow()
+            engine.add_drive(root, self.routing.held(self.balancer.weights))
+            return index
 
         return Reloader(
-            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, move, self.reloads
+            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, place, self.reloads
         )  # fmt: skip
 
     def _adaptive(
@@ -249,7 +271,7 @@ class _Parts:
         adaptive = self._adaptive(
             lambda: (stats.bytes_served, [w.busy_seconds for w in workers]), reader.set_weights
         )
-        reloader = self._reloader(stats, reader.set_copy, reader.set_weights)
+        reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
@@ -280,5 +302,24 @@ class _Parts:
         )
         speeds = engine.set_speeds if cfg.routing == "queue" else None  # only queue routing uses them
         adaptive = self._adaptive(counters.activity, engine.set_weights, speeds)
-        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine.set_root)
+        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
+
+
+@dataclass(frozen=True)
+class _Pyfuse3Membership:
+    """The pyfuse3 engine opens copies from the shared replicas' roots: a new mirror needs only
+    its workers, and the weights for it."""
+
+    reader: Reader
+    cfg: MountConfig
+
+    def set_root(self, index: int, root: str) -> None:
+        """Nothing: the reader builds each path from the replicas' roots."""
+
+    def add_drive(self, root: str, weights: list[float]) -> None:
+        from colifs.pyfuse3.workers import DriveWorkers
+
+        index = len(self.reader.workers)
+        self.reader.grow(DriveWorkers(f"mirror{index}", self.cfg.threads_per_drive, self.cfg.mirror_timeout))
+        self.reader.set_weights(weights)

@@ -283,6 +283,16 @@ class Balancer:
         self._changed(before, target, why)
         return self.weights
 
+    def grow(self, weight: float) -> None:
+        """One more drive (a mirror added while serving), at `weight`; measured from the next window."""
+        before = shares(self.weights)
+        self.weights.append(weight)
+        self.rates.append(None)
+        self.utilization.append(0.0)
+        self._pending.append((0, 0.0, 0.0))
+        self._start, self._trial = None, None
+        self._changed([*before, 0.0], shares(self.weights), "a mirror added (colifs mirror add)")
+
     def set_weight(self, drive: int, weight: float, why: str) -> None:
         """A weight given while serving (colifs mirror add --weight): in force from now on, and
         the next window measures from here."""

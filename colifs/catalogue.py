@@ -66,7 +66,7 @@ class ServedFile:
         if ident is None:
             self.copies = tuple(r for r in self.copies if r != replica)
             self.identities.pop(replica, None)
-            notes.append(f"mirror {root}: {why} (reload)")
+            notes.append(f"mirror {root}: {why}")
         else:
             self.copies = tuple(sorted({*self.copies, replica}))
             self.identities[replica] = ident

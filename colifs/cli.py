@@ -336,13 +336,13 @@ def parser() -> argparse.ArgumentParser:
         help="take a mirror away from a mount, or bring it back, while it serves",
         description="Take a mirror away from a mount while it serves (no new read goes to it, reads in "
         "flight on it finish, then every descriptor the daemon holds there is closed: its drive can be "
-        "unmounted), or bring a removed one back, or a new directory in its place (validated as at "
-        "mount). A mount keeps the number of mirrors it was mounted with.",
+        "unmounted), or add one: a removed one back, or a new directory (in a removed one's place, "
+        "else one more), validated as at mount. What a reboot mounts is what fstab or the unit names.",
     )
     msub = mi.add_subparsers(dest="mirror_command", required=True, metavar="ACTION", help="remove or add")
     for action, help_ in (
         ("remove", "take MIRROR away; returns once no descriptor is left on it"),
-        ("add", "bring MIRROR back, or a new one in a removed one's place; its copies serve at once"),
+        ("add", "add MIRROR (a removed one back, or a new one); its valid copies serve at once"),
     ):
         a = msub.add_parser(action, help=help_, description=help_[0].upper() + help_[1:] + ".")
         a.add_argument("mountpoint", help="a colifs mount point")

@@ -91,7 +91,7 @@ class NativeCounters:
         self.nrep = nrep
         self.keys = list(keys)
         self.files = list(files)
-        layout = _native.counter_layout(nrep, len(self.keys), len(self.files))
+        layout = _native.counter_layout(len(self.keys), len(self.files))  # per drive: MAX_REPLICAS
         self.buffer = mmap.mmap(-1, 8 * sum(n for _, n in layout))  # never empty: there is a primary
         words = memoryview(self.buffer).cast("Q")
         field, at = {}, 0
@@ -117,19 +117,23 @@ class NativeCounters:
 
     @property
     def bytes_served(self) -> list[int]:
-        return self._bytes.tolist()
+        return self._bytes[: self.nrep].tolist()
 
     @property
     def reads(self) -> list[int]:
-        return self._reads.tolist()
+        return self._reads[: self.nrep].tolist()
 
     @property
     def read_errors(self) -> list[int]:
-        return self._errors.tolist()
+        return self._errors[: self.nrep].tolist()
 
     @property
     def spilled(self) -> list[int]:
-        return self._spilled.tolist()
+        return self._spilled[: self.nrep].tolist()
+
+    def grow(self) -> None:
+        """One more drive: its counters were there, at 0, from the start."""
+        self.nrep += 1
 
     @property
     def fallbacks(self) -> int:
@@ -155,11 +159,11 @@ class NativeCounters:
         """Bytes per (stack.layer) per drive as routing decided them, from the per-key counters."""
         out: dict[str, list[int]] = {}
         kb = self._key_bytes.tolist()
-        n = self.nrep
+        n, slots = self.nrep, MAX_REPLICAS
         for k, layer in enumerate(self._layer):
             if layer is None:
                 continue
-            row = kb[k * n : (k + 1) * n]
+            row = kb[k * slots : k * slots + n]
             if any(row):
                 acc = out.setdefault(layer, [0] * n)
                 for d in range(n):
@@ -167,11 +171,11 @@ class NativeCounters:
         return out
 
     def in_flight(self) -> list[int]:
-        return self._busy.tolist()
+        return self._busy[: self.nrep].tolist()
 
     def activity(self) -> tuple[list[int], list[float]]:
         """Per drive: bytes served and seconds with a read running, since mount (the balancer's input)."""
-        return self._bytes.tolist(), [ns / 1e9 for ns in self._busy_ns.tolist()]
+        return self.bytes_served, [ns / 1e9 for ns in self._busy_ns[: self.nrep].tolist()]
 
     def failed(self, drive: int) -> None:
         """The engine counts its errors itself."""
@@ -179,10 +183,10 @@ class NativeCounters:
     def take_usage(self) -> Usage:
         """What was served since the last take (and what a failed save gave back)."""
         out, self._pending = self._pending, Usage()
-        n = self.nrep
+        slots = MAX_REPLICAS
         kb, kr = self._key_bytes.tolist(), self._key_reads.tolist()
         for k, key in enumerate(self.keys):
-            nbytes, reads = sum(kb[k * n : (k + 1) * n]), kr[k]
+            nbytes, reads = sum(kb[k * slots : (k + 1) * slots]), kr[k]
             db, dr = nbytes - self._taken_keys[2 * k], reads - self._taken_keys[2 * k + 1]
             if db or dr:
                 self._taken_keys[2 * k], self._taken_keys[2 * k + 1] = nbytes, reads
@@ -375,6 +379,12 @@ class NativeEngine:
     def set_copy(self, f: ServedFile, drive: int, identity: Identity | None) -> bool:
         """A reload's verdict on a mirror copy (colifs.reload); False: the file is busy, ask again."""
         return self.engine.set_copy(self._index[id(f)], drive, identity)
+
+    def add_drive(self, root: str, weights: list[float]) -> None:
+        """One more mirror while serving (no file has a copy on it yet), the routes for `weights`."""
+        self.router.weights[:] = weights
+        self.engine.add_drive(os.fsencode(root), route_columns(weights))
+        self._seen_ok.append(0)  # its counters: Stats.grow
 
     def set_root(self, drive: int, root: str) -> None:
         """A removed mirror's slot serves another directory (colifs mirror add)."""

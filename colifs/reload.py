@@ -15,7 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -37,6 +37,7 @@ BUSY_RETRY = 0.05  # s between tries of a copy whose file is busy retiring descr
 BUSY_GIVE_UP = 5.0  # s after which such a copy waits for the next reload
 CLOSED_POLL = 0.05  # s between looks at the descriptors a removed mirror still has open
 MEASURE_S = 1.0  # s each of the probes that weigh a new mirror against the primary
+MAX_REPLICAS = 8  # as the native engine's tables (native/engine.h): the primary and 7 mirrors
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,7 @@ class Reloader:
         health: Sequence[Health],
         set_copy: Callable[[ServedFile, int, Identity | None], bool],
         reweigh: Callable[[Weight | None], None],
-        move: Callable[[int, str], None],
+        place: Callable[[str, float | None, int | None], int],
         record: Reloads,
     ) -> None:
         self.tree = tree
@@ -151,7 +152,9 @@ class Reloader:
         self.health = health
         self._set_copy = set_copy
         self._reweigh = reweigh
-        self._move = move  # a removed mirror's slot gets a new directory (the engine, the replicas)
+        # A new mirror directory in a removed one's slot, or (None) in a new one: (root, weight if
+        # given, slot) -> its index; every part that holds replicas learns of it.
+        self._place = place
         self.record = record
         self._lock = trio.Lock()
         self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors left
@@ -188,12 +191,8 @@ class Reloader:
                 "served as before, unmount and mount again to serve the new file",
                 relpath,
             )
-        applied, busy = await self._apply(verdicts)
-        vouched = await trio.to_thread.run_sync(
-            vouched_copies, self.files, self.tree, self.replicas, abandon_on_cancel=True
-        )
-        for ino, f in self.files.items():
-            f.vouch(vouched.get(ino, ()))
+        applied, busy = await self._apply([replace(v, why=f"{v.why} (reload)") for v in verdicts])
+        await self._vouch()
         if applied:
             self._reweigh(None)
         changes = self._summary(applied, busy, checked)
@@ -300,61 +299,70 @@ class Reloader:
             await trio.sleep(CLOSED_POLL)
 
     async def add_mirror(self, path: str, weight: float | None, wait: float) -> dict:
-        """A mirror joins: one removed before (its drive back), or a new directory in the slot of
-        one removed (a mount keeps the number of mirrors it was mounted with). Validated as at
-        mount (size, header, receipt), its valid copies serve at once, with `weight` if given;
-        else a new directory's is measured (a short probe against the primary), a removed one's
-        is the one it had."""
+        """A mirror joins: one removed before (its drive back), or a new directory (in the slot of
+        one removed, else in a new one). Validated as at mount (size, header, receipt), its valid
+        copies serve at once, with `weight` if given; else a new directory's is measured (a short
+        probe against the primary), a removed one's is the one it had."""
         async with self._lock:
             slot, new = self._slot(path)
-            root = os.path.abspath(path) if new else slot.root
+            root = os.path.abspath(path) if slot is None or new else slot.root
             if not os.path.isdir(root):
                 raise UsageError(f"{root} is not a directory (is its drive mounted?)")
             t0 = time.monotonic()
-            candidate = Replica(slot.index, root, slot.weight)
-            verdicts, _ = await trio.to_thread.run_sync(
-                recheck, self.tree, self.files, [self.replicas[0], candidate], abandon_on_cancel=True
-            )
-            if not any(v.identity is not None for v in verdicts):
-                raise UsageError(
-                    f"{root} holds no copy of this model's files that matches the primary's "
-                    "(size and header): not a replica; nothing changed"
-                )
+            index = len(self.replicas) if slot is None else slot.index
+            valid = await self._valid_copies(root, index)
             if new:
-                self._move(slot.index, root)
+                index = self._place(root, weight, None if slot is None else slot.index)
                 one_drive([r.root for r in self.replicas])
-            self.health[slot.index].restore()
-            self._unfinished.discard(slot.index)
-            applied, busy = await self._apply([v for v in verdicts if v.identity is not None], wait)
-            vouched = await trio.to_thread.run_sync(
-                vouched_copies, self.files, self.tree, self.replicas, abandon_on_cancel=True
-            )
-            for ino, f in self.files.items():
-                f.vouch(vouched.get(ino, ()))
-            change = {
-                "command": "add",
-                "path": root,
-                "files": len(applied),
-                "busy": len(busy),
-                "weight": weight,
-            }
-            if weight is not None:
-                self._reweigh(Weight(slot.index, weight))
-            elif new:
-                ratio = await trio.to_thread.run_sync(self._measure, slot.index, abandon_on_cancel=True)
-                if ratio is not None:
-                    self._reweigh(Weight(slot.index, ratio, of_primary=True))
-                change["measured_vs_primary"] = ratio
-            else:
-                self._reweigh(None)
+            self.health[index].restore()
+            self._unfinished.discard(index)
+            applied, busy = await self._apply(valid, wait)
+            await self._vouch()
+            change = {"command": "add", "path": root, "files": len(applied), "busy": len(busy)}
+            change.update(await self._weigh(index, weight, new))
             change["seconds"] = round(time.monotonic() - t0, 3)
             self.record.changed_mirror(change)
             log.info("mirror %s: added, %d files served from it", root, len(applied))
             return change
 
-    def _slot(self, path: str) -> tuple[Replica, bool]:
+    async def _valid_copies(self, root: str, index: int) -> list[Verdict]:
+        """The copies under `root` that may serve (as at mount); UsageError when there is none."""
+        candidate = Replica(index, root, 1.0)
+        verdicts, _ = await trio.to_thread.run_sync(
+            recheck, self.tree, self.files, [self.replicas[0], candidate], abandon_on_cancel=True
+        )
+        valid = [v for v in verdicts if v.identity is not None]
+        if not valid:
+            raise UsageError(
+                f"{root} holds no copy of this model's files that matches the primary's "
+                "(size and header): not a replica; nothing changed"
+            )
+        return valid
+
+    async def _vouch(self) -> None:
+        """The receipts read again: which copies a `colifs stage` receipt vouches for."""
+        vouched = await trio.to_thread.run_sync(
+            vouched_copies, self.files, self.tree, self.replicas, abandon_on_cancel=True
+        )
+        for ino, f in self.files.items():
+            f.vouch(vouched.get(ino, ()))
+
+    async def _weigh(self, index: int, weight: float | None, new: bool) -> dict:
+        """The added mirror's weight in force: given, else (a new directory) measured, else the
+        one it had; what stats.json says of it."""
+        if weight is not None:
+            self._reweigh(Weight(index, weight))
+            return {"weight": weight}
+        if not new:
+            self._reweigh(None)
+            return {"weight": None}
+        ratio = await trio.to_thread.run_sync(self._measure, index, abandon_on_cancel=True)
+        self._reweigh(None if ratio is None else Weight(index, ratio, of_primary=True))
+        return {"weight": None, "measured_vs_primary": ratio}
+
+    def _slot(self, path: str) -> tuple[Replica | None, bool]:
         """Where mirror `path` joins: its own slot (removed before), or (new: True) the first slot
-        of a mirror removed. UsageError when it may not."""
+        of a mirror removed, or (None, True) a new one. UsageError when it may not."""
         r = self._replica(path)
         if r is not None and r.index == 0:
             raise UsageError(f"{path} is the primary of this mount, not a mirror")
@@ -364,13 +372,11 @@ class Reloader:
             return r, False
         removed = [x for x in self.replicas[1:] if self.health[x.index].removed_at is not None]
         free = [x for x in removed if x.index not in self._unfinished]
-        if not free:
-            raise UsageError(
-                f"{path}: no free mirror slot: a mount keeps the number of mirrors it was mounted "
-                f"with ({len(self.replicas) - 1}); remove one first (colifs mirror remove), or name "
-                "it at the next mount"
-            )
-        return free[0], True
+        if free:
+            return free[0], True
+        if len(self.replicas) >= MAX_REPLICAS:
+            raise UsageError(f"{path}: a mount serves at most {MAX_REPLICAS} replicas; remove a mirror first")
+        return None, True
 
     def _measure(self, drive: int) -> float | None:
         """The new mirror's read rate over the primary's, each probed alone for a moment (what a

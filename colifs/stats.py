@@ -42,6 +42,10 @@ class DriveCounters(Protocol):
     @property
     def layers(self) -> dict[str, list[int]]: ...
 
+    def grow(self) -> None:
+        """One more drive (a mirror added while serving), counted from 0."""
+        ...
+
     @property
     def extent_buffer(self) -> dict[str, int]: ...
 
@@ -65,6 +69,16 @@ class Counters:
         self.layers: dict[str, list[int]] = {}
         self.extent_buffer: dict[str, int] = {}  # the pyfuse3 engine does not buffer whole extents
         self.passthrough: dict[str, int] = {}  # nor pass opens through to the kernel
+
+    def grow(self) -> None:
+        for per_drive in (
+            self.bytes_served,
+            self.reads,
+            self.read_errors,
+            self.spilled,
+            *self.layers.values(),
+        ):
+            per_drive.append(0)
 
     def served(self, drive: int, nbytes: int) -> None:
         self.bytes_served[drive] += nbytes
@@ -140,6 +154,11 @@ class Stats:
     @property
     def fallbacks(self) -> int:
         return self.counters.fallbacks
+
+    def grow(self) -> None:
+        """One more drive (a mirror added while serving): its counters from 0."""
+        self.counters.grow()
+        self.last_error.append(None)
 
     def set_partial(self, partial: dict | None) -> None:
         """The partial-mirror routing, computed again (a reload changed the copies)."""

@@ -475,21 +475,28 @@ static void submit(engine_t *e, job_t *j) {
     pthread_mutex_unlock(&dr->m);
 }
 
+int drive_start(engine_t *e, int d) {
+    drive_t *dr = &e->drives[d];
+    dr->e = e;
+    pthread_mutex_init(&dr->m, NULL);
+    pthread_cond_init(&dr->c, NULL);
+    dr->threads = calloc((size_t)e->drive_threads, sizeof(pthread_t));
+    if (!dr->threads)
+        return ENOMEM;
+    for (int t = 0; t < e->drive_threads; t++) {
+        int err = pthread_create(&dr->threads[t], NULL, drive_main, dr);
+        if (err)
+            return err;
+        dr->nthreads++;
+    }
+    return 0;
+}
+
 int drives_start(engine_t *e) {
     for (int d = 1; d < e->nrep; d++) {
-        drive_t *dr = &e->drives[d];
-        dr->e = e;
-        pthread_mutex_init(&dr->m, NULL);
-        pthread_cond_init(&dr->c, NULL);
-        dr->threads = calloc((size_t)e->drive_threads, sizeof(pthread_t));
-        if (!dr->threads)
-            return ENOMEM;
-        for (int t = 0; t < e->drive_threads; t++) {
-            int err = pthread_create(&dr->threads[t], NULL, drive_main, dr);
-            if (err)
-                return err;
-            dr->nthreads++;
-        }
+        int err = drive_start(e, d);
+        if (err)
+            return err;
     }
     return 0;
 }
@@ -583,6 +590,7 @@ typedef struct {
     uint64_t bound[MAX_REPLICAS];
     uint8_t seq[STRIPE_SLOTS];
     uint32_t allowed; /* the column's drives (bit d) */
+    int nrep;         /* the replicas its bounds cover */
 } routes_now_t;
 
 static void routes_now(engine_t *e, uint32_t col, routes_now_t *r) {
@@ -590,7 +598,8 @@ static void routes_now(engine_t *e, uint32_t col, routes_now_t *r) {
     uint64_t before, after;
     do {
         before = atomic_load_explicit(&e->routes_gen, memory_order_acquire);
-        for (int d = 0; d < e->nrep; d++)
+        r->nrep = atomic_load_explicit(&e->nrep, memory_order_relaxed);
+        for (int d = 0; d < r->nrep; d++)
             r->bound[d] = atomic_load_explicit(&rt->bound[d], memory_order_relaxed);
         for (int k = 0; k < STRIPE_SLOTS; k++)
             r->seq[k] = atomic_load_explicit(&rt->seq[k], memory_order_relaxed);
@@ -602,7 +611,7 @@ static void routes_now(engine_t *e, uint32_t col, routes_now_t *r) {
 
 /* The drive of the byte at `at` of segment i, and where that drive's piece ends (a stripe chunk's
  * end, or the segment's), as colifs.readplan.table_drive gives it. */
-static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t *r, uint32_t i, uint64_t at,
+static int segment_drive(const file_t *f, const routes_now_t *r, uint32_t i, uint64_t at,
                          uint64_t seg_end, uint64_t *piece_end) {
     *piece_end = seg_end;
     if (f->seg_key[i] < 0)
@@ -614,7 +623,7 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
         int d = r->seq[(chunk + (uint64_t)f->seg_rot[i]) % STRIPE_SLOTS];
         return (r->allowed >> d) & 1 ? d : 0;
     }
-    for (int d = 0; d < e->nrep; d++)
+    for (int d = 0; d < r->nrep; d++)
         if (f->seg_pos[i] < r->bound[d])
             return (r->allowed >> d) & 1 ? d : 0; /* the check set_routes made: never outside */
     return 0;
@@ -639,20 +648,20 @@ static int segment_drive(const engine_t *e, const file_t *f, const routes_now_t 
 static void pace(engine_t *e, const routes_now_t *r, uint64_t *per) {
     uint64_t share[MAX_REPLICAS] = {0}, prev = 0;
     int measured = 1;
-    for (int x = 0; x < e->nrep; x++) {
+    for (int x = 0; x < r->nrep; x++) {
         share[x] = (r->allowed >> x) & 1 ? r->bound[x] - prev : 0;
         prev = r->bound[x];
         per[x] = atomic_load_explicit(&e->speed[x], memory_order_relaxed);
         measured &= per[x] > 0 || !share[x];
     }
-    for (int x = 0; x < e->nrep; x++)
+    for (int x = 0; x < r->nrep; x++)
         if (!measured || !share[x])
             per[x] = share[x];
 }
 
 static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, uint64_t len, int d) {
     uint64_t queued[MAX_REPLICAS] = {0}, per[MAX_REPLICAS] = {0};
-    for (int x = 0; x < e->nrep; x++)
+    for (int x = 0; x < r->nrep; x++)
         queued[x] = atomic_load_explicit(&e->queued[x], memory_order_relaxed) + extra[x];
     if (queued[d] < SPILL_MIN)
         return d;
@@ -661,7 +670,7 @@ static int quickest(engine_t *e, const routes_now_t *r, const uint64_t *extra, u
         return d;
     int best = d;
     double own = (double)(queued[d] + len) / (double)per[d], best_cost = own;
-    for (int x = 0; x < e->nrep; x++) {
+    for (int x = 0; x < r->nrep; x++) {
         if (x == d || !((r->allowed >> x) & 1) || !per[x])
             continue;
         double cost = (double)(queued[x] + len) / (double)per[x];
@@ -688,7 +697,7 @@ static int requeued(engine_t *e, const routes_now_t *r, uint64_t *extra, int rou
 static void count_key(engine_t *e, int32_t k, int d, uint64_t from, uint64_t end, int32_t *last_key) {
     if (k < 0 || end <= from)
         return;
-    atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * (size_t)e->nrep + (size_t)d], end - from);
+    atomic_fetch_add(&e->ctr.key_bytes[(size_t)k * MAX_REPLICAS + (size_t)d], end - from);
     if (k != *last_key)
         atomic_fetch_add(&e->ctr.key_reads[k], 1);
     *last_key = k;
@@ -710,7 +719,7 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
     int requeue = e->queue_routing && !primary_only;
     while (pos < end && i < f->nseg) {
         uint64_t seg_end = i + 1 < f->nseg ? f->seg_start[i + 1] : f->size, piece_end;
-        int d = segment_drive(e, f, &r, i, pos, seg_end, &piece_end);
+        int d = segment_drive(f, &r, i, pos, seg_end, &piece_end);
         piece_end = min_u64(piece_end, end);
         int32_t k = f->seg_key[i];
         uint64_t from = max_u64(pos, off);
@@ -733,45 +742,69 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
 
 /* Column c's bounds rise to the whole range and give positions, and its stripe sequence chunks,
  * only to the drives the column allows (the primary, and the mirrors of its set). */
-static int column_ok(const engine_t *e, const uint8_t *row, int c) {
+static int column_ok(int nrep, const uint8_t *row, int c) {
     uint32_t allowed = ((uint32_t)c << 1) | 1u;
     uint64_t prev = 0, b = 0;
-    for (int d = 0; d < e->nrep; d++, prev = b) {
+    for (int d = 0; d < nrep; d++, prev = b) {
         memcpy(&b, row + 8 * d, 8);
         if (b < prev || b > (1ull << 32) || (b > prev && !(allowed & (1u << d))))
             return 0;
     }
     for (int k = 0; k < STRIPE_SLOTS; k++) {
-        uint8_t d = row[8 * e->nrep + k];
-        if (d >= e->nrep || !(allowed & (1u << d)))
+        uint8_t d = row[8 * nrep + k];
+        if (d >= nrep || !(allowed & (1u << d)))
             return 0;
     }
     return b == 1ull << 32;
 }
 
-int set_routes(engine_t *e, const uint8_t *data, size_t len) {
-    size_t width = 8 * (size_t)e->nrep + STRIPE_SLOTS;
-    if (len != width * (size_t)e->ncols)
+/* The routes for nrep replicas (one writer at a time: the GIL); the counts change inside the
+ * sequence lock's window, so a request copies routes and count of one generation. */
+static int write_routes(engine_t *e, const uint8_t *data, size_t len, int nrep) {
+    int ncols = 1 << (nrep - 1);
+    size_t width = 8 * (size_t)nrep + STRIPE_SLOTS;
+    if (len != width * (size_t)ncols)
         return -1;
-    for (int c = 0; c < e->ncols; c++) /* every column checked before any is changed */
-        if (!column_ok(e, data + (size_t)c * width, c))
+    for (int c = 0; c < ncols; c++) /* every column checked before any is changed */
+        if (!column_ok(nrep, data + (size_t)c * width, c))
             return -1;
     uint64_t gen = atomic_load_explicit(&e->routes_gen, memory_order_relaxed);
     atomic_store_explicit(&e->routes_gen, gen + 1, memory_order_relaxed);
     atomic_thread_fence(memory_order_release);
-    for (int c = 0; c < e->ncols; c++) {
+    for (int c = 0; c < ncols; c++) {
         const uint8_t *row = data + (size_t)c * width;
         route_t *rt = &e->routes[c];
-        for (int d = 0; d < e->nrep; d++) {
+        for (int d = 0; d < nrep; d++) {
             uint64_t b;
             memcpy(&b, row + 8 * d, 8);
             atomic_store_explicit(&rt->bound[d], b, memory_order_relaxed);
         }
         for (int k = 0; k < STRIPE_SLOTS; k++)
-            atomic_store_explicit(&rt->seq[k], row[8 * e->nrep + k], memory_order_relaxed);
+            atomic_store_explicit(&rt->seq[k], row[8 * nrep + k], memory_order_relaxed);
     }
+    atomic_store_explicit(&e->ncols, ncols, memory_order_relaxed);
+    atomic_store_explicit(&e->nrep, nrep, memory_order_relaxed);
     atomic_store_explicit(&e->routes_gen, gen + 2, memory_order_release);
     return 0;
+}
+
+int set_routes(engine_t *e, const uint8_t *data, size_t len) {
+    return write_routes(e, data, len, atomic_load(&e->nrep));
+}
+
+int add_drive(engine_t *e, const uint8_t *routes, size_t len) {
+    int d = atomic_load(&e->nrep);
+    size_t width = 8 * (size_t)(d + 1) + STRIPE_SLOTS;
+    if (d >= MAX_REPLICAS || len != width * ((size_t)1 << d))
+        return -1;
+    for (int c = 0; c < 1 << d; c++) /* before a thread starts */
+        if (!column_ok(d + 1, routes + (size_t)c * width, c))
+            return -1;
+    int err = drive_start(e, d);
+    if (err)
+        return err;
+    atomic_fetch_or(&e->up, 1u << d);
+    return write_routes(e, routes, len, d + 1);
 }
 
 

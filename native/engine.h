@@ -203,7 +203,11 @@ typedef struct {
 } counters_t;
 
 typedef struct engine {
-    int nrep, ncols;
+    /* Replicas served, and route columns (2^(nrep-1)): they grow while serving (add_drive, a
+     * mirror joins), under the routes' sequence lock; per-drive arrays and counters are sized for
+     * MAX_REPLICAS from the start, so nothing moves. A reader that loads the old count sees a
+     * column whose bounds end at the old last drive: the same routes. */
+    _Atomic int nrep, ncols;
     char *_Atomic roots[MAX_REPLICAS]; /* a mirror's changes (set_root) only while none of its
                                            copies is in use; the old string is kept until close:
                                            a drive thread may be building a path from it */
@@ -275,6 +279,7 @@ node_t *engine_node(engine_t *e, uint64_t ino);
 
 /* drives.c */
 int drives_start(engine_t *e);
+int drive_start(engine_t *e, int d);
 void drives_stop(engine_t *e);
 void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int cached);
 size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
@@ -301,6 +306,9 @@ int file_open_locked(engine_t *e, file_t *f); /* f->lock held */
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
 int set_routes(engine_t *e, const uint8_t *data, size_t len); /* 0, or -1 when they are invalid */
+/* One more mirror, drive e->nrep (its root set, its threads started): the routes for the new
+ * count in force, then the count; 0, -1 when the routes are invalid, or an errno. */
+int add_drive(engine_t *e, const uint8_t *routes, size_t len);
 /* A reload's verdict on f's copy on drive d (d > 0): valid as `ident` (NULL: not usable). The
  * descriptor held for the old copy retires (closed once no job reads it). 0, or EBUSY when f holds
  * too many retired descriptors already (try again once its jobs are done). */

@@ -336,16 +336,18 @@ static const struct counter_field {
 };
 #define NCOUNTERS (sizeof COUNTERS / sizeof *COUNTERS)
 
-static size_t counter_words(const struct counter_field *c, size_t nrep, size_t nkeys, size_t nfiles) {
-    size_t units[] = {[ONCE] = 1, [PER_DRIVE] = nrep, [PER_KEY_AND_DRIVE] = nkeys * nrep, [PER_KEY] = nkeys,
-                      [PER_FILE] = nfiles};
+/* Per drive: MAX_REPLICAS slots whatever the replicas at mount, so that a mirror added while serving
+ * (add_drive) moves no counter. */
+static size_t counter_words(const struct counter_field *c, size_t nkeys, size_t nfiles) {
+    size_t units[] = {[ONCE] = 1, [PER_DRIVE] = MAX_REPLICAS, [PER_KEY_AND_DRIVE] = nkeys * MAX_REPLICAS,
+                      [PER_KEY] = nkeys, [PER_FILE] = nfiles};
     return c->width * units[c->scale];
 }
 
 static int map_counters(engine_t *e, Py_buffer *buf) {
     size_t words = 0;
     for (size_t i = 0; i < NCOUNTERS; i++)
-        words += counter_words(&COUNTERS[i], (size_t)e->nrep, e->nkeys, e->nfiles);
+        words += counter_words(&COUNTERS[i], e->nkeys, e->nfiles);
     if ((size_t)buf->len != words * 8 || ((uintptr_t)buf->buf % 8)) {
         PyErr_Format(PyExc_ValueError, "counters: %zu aligned bytes expected", words * 8);
         return -1;
@@ -354,24 +356,23 @@ static int map_counters(engine_t *e, Py_buffer *buf) {
     _Atomic uint64_t *p = buf->buf;
     for (size_t i = 0; i < NCOUNTERS; i++) {
         *(_Atomic uint64_t **)((char *)&e->ctr + COUNTERS[i].at) = p;
-        p += counter_words(&COUNTERS[i], (size_t)e->nrep, e->nkeys, e->nfiles);
+        p += counter_words(&COUNTERS[i], e->nkeys, e->nfiles);
     }
     return 0;
 }
 
 static PyObject *counter_layout(PyObject *module, PyObject *args) {
     (void)module;
-    Py_ssize_t nrep, nkeys, nfiles;
-    if (!PyArg_ParseTuple(args, "nnn", &nrep, &nkeys, &nfiles))
+    Py_ssize_t nkeys, nfiles;
+    if (!PyArg_ParseTuple(args, "nn", &nkeys, &nfiles))
         return NULL;
-    if (nrep < 1 || nrep > MAX_REPLICAS || nkeys < 0 || nfiles < 0 || nkeys > (Py_ssize_t)1 << 40 ||
-        nfiles > (Py_ssize_t)1 << 40) {
-        PyErr_Format(PyExc_ValueError, "counter_layout: 1 to %d replicas, counts from 0 to 2^40", MAX_REPLICAS);
+    if (nkeys < 0 || nfiles < 0 || nkeys > (Py_ssize_t)1 << 40 || nfiles > (Py_ssize_t)1 << 40) {
+        PyErr_SetString(PyExc_ValueError, "counter_layout: counts from 0 to 2^40");
         return NULL;
     }
     PyObject *out = PyList_New((Py_ssize_t)NCOUNTERS);
     for (size_t i = 0; out && i < NCOUNTERS; i++) {
-        size_t n = counter_words(&COUNTERS[i], (size_t)nrep, (size_t)nkeys, (size_t)nfiles);
+        size_t n = counter_words(&COUNTERS[i], (size_t)nkeys, (size_t)nfiles);
         PyObject *item = Py_BuildValue("(sn)", COUNTERS[i].name, (Py_ssize_t)n);
         if (!item) {
             Py_CLEAR(out);
@@ -426,7 +427,7 @@ static int load_replicas(engine_t *e, PyObject *roots, const uint8_t *routes, si
     }
     e->nrep = (int)nrep;
     e->ncols = 1 << (e->nrep - 1);
-    for (int d = 0; d < e->nrep; d++)
+    for (int d = 0; d < MAX_REPLICAS; d++) /* a mirror may be added while serving */
         pthread_mutex_init(&e->activity[d].m, NULL);
     if (!routes || set_routes(e, routes, route_len)) {
         PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
@@ -653,6 +654,42 @@ static PyObject *Engine_set_copy(EngineObject *self, PyObject *args) {
     return PyBool_FromLong(err == 0);
 }
 
+/* add_drive(root, routes): one more mirror while serving (colifs mirror add), drive nrep: its
+ * threads started, then the routes for the new count in force. No file has a copy on it yet. */
+static PyObject *Engine_add_drive(EngineObject *self, PyObject *args) {
+    PyObject *root;
+    Py_buffer b;
+    if (!PyArg_ParseTuple(args, "Oy*", &root, &b))
+        return NULL;
+    engine_t *e = &self->e;
+    int d = atomic_load(&e->nrep);
+    char *s = d >= 1 && d < MAX_REPLICAS && self->mounted ? dup_bytes(root) : NULL;
+    if (!s) {
+        PyBuffer_Release(&b);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "a mounted engine serves at most %d replicas", MAX_REPLICAS);
+        return NULL;
+    }
+    atomic_store(&e->roots[d], s);
+    /* The drives' threads take no signals: those are the main thread's (Python handles them). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int err = add_drive(e, b.buf, (size_t)b.len);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    PyBuffer_Release(&b);
+    if (err < 0) { /* nothing started */
+        free(atomic_exchange(&e->roots[d], NULL));
+        PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
+        return NULL;
+    }
+    if (err) {
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 /* set_root(drive, root): a removed mirror's slot serves another directory (colifs mirror add).
  * Python calls it only while no file has a copy on the drive. */
 static PyObject *Engine_set_root(EngineObject *self, PyObject *args) {
@@ -817,6 +854,8 @@ static PyMethodDef Engine_methods[] = {
     {"set_copy", (PyCFunction)Engine_set_copy, METH_VARARGS,
      "set_copy(file, drive, identity or None): a reload's verdict on a mirror copy (False: busy, "
      "ask again)."},
+    {"add_drive", (PyCFunction)Engine_add_drive, METH_VARARGS,
+     "add_drive(root, routes): one more mirror while serving (no copy on it yet); routes for the new count."},
     {"set_root", (PyCFunction)Engine_set_root, METH_VARARGS,
      "set_root(drive, root): a removed mirror's slot serves another directory (no copy in use)."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
@@ -843,7 +882,8 @@ static PyTypeObject EngineType = {
 
 static PyMethodDef module_functions[] = {
     {"counter_layout", counter_layout, METH_VARARGS,
-     "counter_layout(nrep, nkeys, nfiles): [(name, words)] of the counters' memory, in order."},
+     "counter_layout(nkeys, nfiles): [(name, words)] of the counters' memory, in order (per drive: "
+     "MAX_REPLICAS)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,13 +24,13 @@ class Pyfuse3Engine:
         self,
         ops: ColiFS,
         reader: Reader,
-        workers: Sequence[DriveWorkers],
+        workers: list[DriveWorkers],
         mountpoint: str,
         options: Sequence[str],
     ) -> None:
         self.ops = ops
         self.reader = reader
-        self.workers = list(workers)
+        self.workers = workers  # shared with the reader: a mirror added while serving adds its own
         self.mountpoint = mountpoint
         self.options = set(options)
         self._mounted = False

@@ -111,6 +111,12 @@ class OpenFile:
         else:
             self.detached.discard(drive)
 
+    def grow(self) -> None:
+        """One more replica (a mirror added while serving): not used by this file until a reload
+        or the addition gives it a copy there (then `swap` queues it to be opened)."""
+        self.fds.append(None)
+        self.epochs.append(0)
+
     def mirror_read_starts(self, drive: int) -> None:
         self.hold()
         self.mirror_reads[drive] = self.mirror_reads.get(drive, 0) + 1
@@ -138,7 +144,7 @@ class Reader:
     def __init__(
         self,
         replicas: Sequence[Replica],
-        workers: Sequence[DriveWorkers],
+        workers: list[DriveWorkers],
         io: BackingIO,
         stats: Stats,
         health: Sequence[Health],
@@ -158,7 +164,7 @@ class Reader:
         self._epoch = [0] * len(replicas)  # +1 each time a mirror comes back up: reopen its copies
         self._went_down = trio.Event()
         self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
-        self.workers = list(workers)
+        self.workers = workers  # shared with the engine, which closes them
         self.io = io
         self.stats = stats
         self._open: dict[str, OpenFile] = {}
@@ -211,6 +217,13 @@ class Reader:
                     of.attach(i, fd, epoch)
                 else:  # a reload dropped or replaced the copy meanwhile (it queued it again, if valid)
                     self._close(i, fd)
+
+    def grow(self, workers: DriveWorkers) -> None:
+        """One more mirror while serving (no file has a copy on it yet): its workers."""
+        self.workers.append(workers)
+        self._epoch.append(0)
+        for of in self._open.values():
+            of.grow()
 
     def set_copy(self, f: ServedFile, drive: int, identity: Identity | None) -> bool:
         """A reload's verdict on a mirror copy (colifs.reload): an open file stops reading the old

@@ -92,7 +92,11 @@ def test_running_out_of_descriptors_never_takes_a_mirror_down(
         assert st["replicas"][1]["health"]["state"] == "up", st["replicas"][1]["health"]
         assert st["replicas"][1]["read_errors"] == 0
         said = [w for w in st["recent_warnings"] if "out of open-file descriptors (limit 128)" in w]
-        assert len(said) == 1, st["recent_warnings"]  # once, naming the limit and the way out
+        # Once, naming the limit and the way out. The native engine opens a mirror copy at the file's
+        # first read (here: all of them fail); the pyfuse3 engine with the primary's, so whether a
+        # mirror copy or the next primary open runs out first depends on the parity of the daemon's
+        # other descriptors.
+        assert len(said) == 1 if engine == "native" else len(said) <= 1, st["recent_warnings"]
         before = st["replicas"][1]["bytes_served"]
         for p in paths[:20]:
             drop_file_cache(m.path / p.name)

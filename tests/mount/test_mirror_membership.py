@@ -141,7 +141,7 @@ def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_pat
         refuse(["mirror", "remove", str(mnt), str(other)], 2, "is not a mirror of this mount")
         refuse(["mirror", "add", str(mnt), str(mirror)], 2, "is a mirror of this mount already")
         refuse(["mirror", "add", str(mnt), str(primary)], 2, "is the primary")
-        refuse(["mirror", "add", str(mnt), str(other)], 2, "no free mirror slot")
+        refuse(["mirror", "add", str(mnt), str(other)], 2, "not a replica")  # it would join as a new one
         refuse(["mirror", "add", str(mnt), str(mirror), "--weight", "-1"], 2, "--weight must be")
         refuse(["mirror", "remove", str(tmp_path), str(mirror)], 3, "is not a colifs mount")
         assert run_colifs("mirror", "remove", str(mnt), str(mirror)).returncode == 0
@@ -153,7 +153,6 @@ def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_pat
         (mirror / shards(real)[0].name).write_bytes(b"not a shard")
         try:
             refuse(["mirror", "add", str(mnt), str(mirror)], 2, "not a replica")
-            refuse(["mirror", "add", str(mnt), str(other)], 2, "not a replica")  # a new one, in the free slot
             assert m.stats()["replicas"][1]["health"]["state"] == "removed"
         finally:
             shutil.rmtree(mirror)
@@ -219,7 +218,6 @@ def test_a_new_directory_takes_a_removed_mirrors_place_while_readers_stream(mode
         assert st["reload"]["mirror_change"]["measured_vs_primary"] > 0
         assert all(f["replicas"] == [str(primary), str(new)] for f in st["files"].values())
         assert run_colifs("reload", str(mnt)).stdout.startswith(f"mirror {new}: 0 files added, 0 dropped")
-        refuse(["mirror", "add", str(mnt), str(mirror)], 2, "no free mirror slot")
 
 
 @pytest.mark.daemon_warns(r"changed since mount")
@@ -249,3 +247,46 @@ def test_a_copy_dropped_as_changed_while_its_file_stays_open_is_closed_by_a_remo
             assert os.preadv(fd, [buf], 0) == len(want) and buf[:] == want
         finally:
             os.close(fd)
+
+
+def test_mirrors_join_a_mount_of_the_primary_alone_while_readers_stream(model, tmp_path: Path) -> None:
+    """Mounted without a mirror; one joins, then a second: each takes traffic at once, the readers
+    never see an error; then one leaves again."""
+    primary, mirror, mnt = model
+    second = tmp_path / "third"
+    shutil.copytree(mirror, second)
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+
+    def served(m) -> list[int]:
+        return [r["bytes_served"] for r in m.stats()["replicas"]]
+
+    def a_round_more(rounds: list[int], errors: list) -> None:
+        done, deadline = list(rounds), time.monotonic() + 30
+        while min(r - d for r, d in zip(rounds, done, strict=True)) < 1:
+            assert not errors and time.monotonic() < deadline, (rounds, errors[:1])
+            time.sleep(0.05)
+
+    with mounted(primary, [], mnt, "--weights", "1") as m:
+        with streaming(mnt, want, 4) as (errors, rounds):
+            a_round_more(rounds, errors)
+            out = run_colifs("mirror", "add", str(mnt), str(mirror), "--weight", "1")
+            assert out.returncode == 0 and out.stdout.startswith(f"mirror {mirror} added: 3 files"), out
+            a_round_more(rounds, errors)
+            assert served(m)[1] > 0  # the new mirror serves
+            out = run_colifs("mirror", "add", str(mnt), str(second), "--weight", "1")
+            assert out.returncode == 0, out.stderr
+            before = served(m)
+            a_round_more(rounds, errors)
+            after = served(m)
+            assert after[1] > before[1] and after[2] > before[2]
+            assert run_colifs("mirror", "remove", str(mnt), str(mirror)).returncode == 0
+            a_round_more(rounds, errors)
+        assert not errors, errors[0]
+        st = m.stats()
+        assert [r["path"] for r in st["replicas"]] == [str(primary), str(mirror), str(second)]
+        assert [r["health"]["state"] for r in st["replicas"][1:]] == ["removed", "up"]
+        assert all(f["replicas"] == [str(primary), str(second)] for f in st["files"].values())
+        prom = run_colifs("stats", str(mnt), "--prometheus").stdout
+        families = {f.name: f for f in text_string_to_metric_families(prom)}
+        assert len(families["colifs_served_bytes"].samples) == 3
+        assert held_there(st["pid"], mirror) == []

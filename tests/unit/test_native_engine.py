@@ -91,7 +91,8 @@ print(sum(1 for o in gc.get_objects() if type(o) is NativeEngine))
     assert done.stdout.strip() == "0"
 
 
-# What Python reads of the counters' memory: each field's words for (nrep, nkeys, nfiles).
+# What Python reads of the counters' memory: each field's words for (drive slots, nkeys, nfiles).
+# Per drive: MAX_REPLICAS slots from the start, so that a mirror added while serving moves nothing.
 COUNTER_FIELDS = {
     "drive_bytes": lambda r, k, f: r,
     "drive_reads": lambda r, k, f: r,
@@ -110,12 +111,12 @@ COUNTER_FIELDS = {
 }
 
 
-@pytest.mark.parametrize(("nrep", "nkeys", "nfiles"), [(1, 0, 0), (2, 5, 3), (8, 1000, 163)])
-def test_the_counter_layout_is_what_python_reads_field_by_field(nrep: int, nkeys: int, nfiles: int) -> None:
-    layout = _native.counter_layout(nrep, nkeys, nfiles)
+@pytest.mark.parametrize(("nkeys", "nfiles"), [(0, 0), (5, 3), (1000, 163)])
+def test_the_counter_layout_is_what_python_reads_field_by_field(nkeys: int, nfiles: int) -> None:
+    layout = _native.counter_layout(nkeys, nfiles)
     assert [name for name, _ in layout] == list(COUNTER_FIELDS)  # every field, in the engine's order
     for name, words in layout:
-        assert words == COUNTER_FIELDS[name](nrep, nkeys, nfiles), name
+        assert words == COUNTER_FIELDS[name](_native.MAX_REPLICAS, nkeys, nfiles), name
 
 
 def test_the_constants_python_uses_are_the_engines() -> None:

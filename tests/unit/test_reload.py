@@ -144,7 +144,7 @@ def test_a_mirror_removed_and_added_back(tmp_path: Path) -> None:
     assert all(f.copies == (0, 1) for f in by_name(files).values()) and health[1].removed_at is None
     with pytest.raises(UsageError, match="a mirror of this mount already"):
         trio.run(reloader.add_mirror, str(mirror), None, 1.0)
-    with pytest.raises(UsageError, match="no free mirror slot"):
+    with pytest.raises(UsageError, match="not a replica"):  # it would have joined as a new mirror
         trio.run(reloader.add_mirror, str(tmp_path), None, 1.0)
 
 
@@ -160,24 +160,32 @@ def test_a_removal_whose_descriptors_stay_open_says_so_and_stays_removed(tmp_pat
     assert trio.run(reloader.remove_mirror, str(mirror), 1.0)["descriptors_left"] == 0  # again: done
 
 
-def test_a_new_directory_joins_in_a_removed_mirrors_slot_with_a_measured_weight(tmp_path: Path) -> None:
+def test_new_directories_join_in_a_removed_mirrors_slot_then_in_new_ones(tmp_path: Path) -> None:
     tree, files, replicas, _, mirror = catalogue(tmp_path, 3)
-    other = tmp_path / "other"
+    other, third = tmp_path / "other", tmp_path / "third"
     shutil.copytree(mirror, other)
-    weights, moved = [], []
+    shutil.copytree(mirror, third)
+    weights, placed = [], []
     health = [Health() for _ in replicas]
 
-    def move(index: int, root: str) -> None:
-        moved.append((index, root))
+    def place(root: str, weight: float | None, index: int | None) -> int:
+        placed.append((root, weight, index))
+        if index is None:
+            health.append(Health())
+            replicas.append(Replica(len(replicas), root, weight or 1.0))
+            return len(replicas) - 1
         replicas[index] = Replica(index, root, replicas[index].weight)
+        return index
 
-    reloader = Reloader(tree, files, replicas, health, lambda *_: True, weights.append, move, Reloads())
+    reloader = Reloader(tree, files, replicas, health, lambda *_: True, weights.append, place, Reloads())
     trio.run(reloader.remove_mirror, str(mirror), 1.0)
     change = trio.run(reloader.add_mirror, str(other), None, 1.0)
-    assert moved == [(1, str(other))] and change["path"] == str(other) and change["files"] == 3
-    assert weights[-1].drive == 1 and weights[-1].of_primary and weights[-1].value > 0
+    assert placed == [(str(other), None, 1)] and change["path"] == str(other) and change["files"] == 3
+    assert weights[-1].drive == 1 and weights[-1].of_primary and weights[-1].value > 0  # measured
     assert all(f.copies == (0, 1) for f in by_name(files).values())
     with pytest.raises(UsageError, match="is a mirror of this mount already"):
         trio.run(reloader.add_mirror, str(other), None, 1.0)
-    with pytest.raises(UsageError, match="no free mirror slot"):
-        trio.run(reloader.add_mirror, str(mirror), None, 1.0)  # its old slot is the new one's now
+    change = trio.run(reloader.add_mirror, str(third), 2.0, 1.0)  # no slot free: a new one
+    assert placed[-1] == (str(third), 2.0, None) and weights[-1] == Weight(2, 2.0)
+    assert all(f.copies == (0, 1, 2) for f in by_name(files).values())
+    assert trio.run(reloader.reload)["last"]["mirrors"][1]["model_files"] == 3  # reloads see it
