@@ -212,11 +212,12 @@ class _Parts:
                 engine.set_root(index, root)
                 return self.routing.place(root, 1.0, index)
             w = self.balancer.weights[0] if weight is None else weight  # until measured
-            index = self.routing.place(root, w, None)
-            self.health.append(Health())
-            self.balancer.grow(w)
-            stats.grow()
-            engine.add_drive(root, self.routing.held(self.balancer.weights))
+            with stats.changing():  # the engine first: if it cannot, nothing changed
+                engine.add_drive(root, self.routing.held([*self.balancer.weights, w]))
+                index = self.routing.place(root, w, None)
+                self.health.append(Health())
+                self.balancer.grow(w)
+                stats.grow()
             return index
 
         return Reloader(

@@ -382,8 +382,8 @@ class NativeEngine:
 
     def add_drive(self, root: str, weights: list[float]) -> None:
         """One more mirror while serving (no file has a copy on it yet), the routes for `weights`."""
-        self.router.weights[:] = weights
         self.engine.add_drive(os.fsencode(root), route_columns(weights))
+        self.router.weights[:] = weights
         self._seen_ok.append(0)  # its counters: Stats.grow
 
     def set_root(self, drive: int, root: str) -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -138,6 +140,7 @@ class Stats:
         self._balance = balance  # the weights in force and the drives' measured rates
         self._reloads = reloads  # how many reloads ran, and what the last one changed
         self.last_error: list[str | None] = [None] * len(replicas)
+        self._lock = threading.Lock()  # per-drive state growing (changing) vs a snapshot of it
 
     @property
     def bytes_served(self) -> Sequence[int]:
@@ -155,8 +158,15 @@ class Stats:
     def fallbacks(self) -> int:
         return self.counters.fallbacks
 
+    @contextlib.contextmanager
+    def changing(self) -> Iterator[None]:
+        """While a mirror joins (colifs mirror add), every per-drive list grows in turn: a snapshot
+        (the native engine renders one on a FUSE thread) waits until all have."""
+        with self._lock:
+            yield
+
     def grow(self) -> None:
-        """One more drive (a mirror added while serving): its counters from 0."""
+        """One more drive (a mirror added while serving, under `changing`): its counters from 0."""
         self.counters.grow()
         self.last_error.append(None)
 
@@ -188,6 +198,10 @@ class Stats:
 
     def line(self) -> str:
         """`MIRROR: primary 12.31 GB (4567 reads) | mirror 4.10 GB (1522 reads) | fallbacks 0`"""
+        with self._lock:
+            return self._line()
+
+    def _line(self) -> str:
         parts = [
             f"{name} {self.bytes_served[i] / 1e9:.2f} GB ({self.reads[i]} reads"
             + (", REMOVED" if self.health[i].removed_at else "" if self.health[i].up else ", DOWN")
@@ -197,6 +211,10 @@ class Stats:
         return "MIRROR: " + " | ".join(parts) + f" | fallbacks {self.fallbacks}\n"
 
     def as_dict(self, files: Sequence[ServedFile]) -> dict:
+        with self._lock:
+            return self._as_dict(files)
+
+    def _as_dict(self, files: Sequence[ServedFile]) -> dict:
         total = sum(self.bytes_served) or 1
         in_flight = self.in_flight()
         balance = self._balance()

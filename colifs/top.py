@@ -39,7 +39,8 @@ def render(prev: dict, cur: dict, dt: float) -> str:
     ]
     head = f"{'drive':<9} {'state':<6} {'MB/s now':>9} {'MB/s avg':>9} {'bytes':>7} {'weight':>7}"
     lines.append(f"{head} {'in flight':>9} {'errors':>7} {'timeouts':>8}  path")
-    for p, c in zip(prev["replicas"], cur["replicas"], strict=True):
+    for i, c in enumerate(cur["replicas"]):
+        p = prev["replicas"][i] if i < len(prev["replicas"]) else c  # a mirror added meanwhile: 0 now
         now = (c["bytes_served"] - p["bytes_served"]) / dt / 1e6 if dt > 0 else 0.0
         health = c.get("health")
         state = "-" if health is None else health["state"]

@@ -475,6 +475,20 @@ static void submit(engine_t *e, job_t *j) {
     pthread_mutex_unlock(&dr->m);
 }
 
+/* The threads of a drive that is not in use yet (add_drive failed): stopped and joined at once. */
+static void drive_undo(drive_t *dr) {
+    pthread_mutex_lock(&dr->m);
+    dr->stop = 1;
+    pthread_cond_broadcast(&dr->c);
+    pthread_mutex_unlock(&dr->m);
+    for (int t = 0; t < dr->nthreads; t++)
+        pthread_join(dr->threads[t], NULL);
+    free(dr->threads);
+    pthread_mutex_destroy(&dr->m);
+    pthread_cond_destroy(&dr->c);
+    *dr = (drive_t){0};
+}
+
 int drive_start(engine_t *e, int d) {
     drive_t *dr = &e->drives[d];
     dr->e = e;
@@ -801,8 +815,10 @@ int add_drive(engine_t *e, const uint8_t *routes, size_t len) {
         if (!column_ok(d + 1, routes + (size_t)c * width, c))
             return -1;
     int err = drive_start(e, d);
-    if (err)
+    if (err) {
+        drive_undo(&e->drives[d]);
         return err;
+    }
     atomic_fetch_or(&e->up, 1u << d);
     return write_routes(e, routes, len, d + 1);
 }

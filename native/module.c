@@ -678,8 +678,9 @@ static PyObject *Engine_add_drive(EngineObject *self, PyObject *args) {
     int err = add_drive(e, b.buf, (size_t)b.len);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     PyBuffer_Release(&b);
-    if (err < 0) { /* nothing started */
+    if (err)  /* nothing started, or what was is stopped */
         free(atomic_exchange(&e->roots[d], NULL));
+    if (err < 0) {
         PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
         return NULL;
     }

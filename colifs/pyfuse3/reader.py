@@ -350,17 +350,18 @@ class Reader:
         results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
         # Each mirror read holds the file open until it returns, even given up on: a descriptor
         # closed under it could have its number reused by another open before its pread.
-        mirror_reads = [k for k, i in enumerate(waiting) if runs[i][2] != 0]
+        drives = [runs[i][2] for i in waiting]  # now: the caller re-routes failed runs afterwards
+        mirror_reads = [k for k, d in enumerate(drives) if d != 0]
         for k in mirror_reads:
-            of.mirror_read_starts(runs[waiting[k]][2])
+            of.mirror_read_starts(drives[k])
 
         def late(k: int, _result: outcome.Outcome) -> None:  # only mirror reads are ever late
-            self._mirror_read_done(of, runs[waiting[k]][2])
+            self._mirror_read_done(of, drives[k])
 
         outcomes = await gather(calls, late) if calls else []
         for k in mirror_reads:
             if outcomes[k] is not None:  # in time (a late one lets go when it returns)
-                self._mirror_read_done(of, runs[waiting[k]][2])
+                self._mirror_read_done(of, drives[k])
         for i, result in zip(waiting, outcomes, strict=True):
             if result is None:
                 timeout = self.workers[runs[i][2]].timeout

@@ -406,6 +406,75 @@ def adapt_study(
     _print_adapt(args, res, modes)
 
 
+def membership_study(
+    args: argparse.Namespace, phase, rig: Rig, mnt: Path, res: dict[str, dict], work: Path
+) -> None:
+    """A mirror taken away and added back while 16 readers stream (`colifs mirror remove/add`):
+    how long each command takes under load, whether the mirror's drive unmounts at once after the
+    removal, and what the mount delivers before, between and after, beside the drives read
+    directly; the daemon's CPU per GB in every phase."""
+    f, s = args.fast, args.slow
+    a, b = rig.dirs
+
+    def stats() -> dict:
+        return json.loads((mnt / ".colifs" / "stats.json").read_text())
+
+    def measured(key: str, label: str) -> None:
+        before = stats()
+        cpu = cpu_seconds(before["pid"])
+        phase(key, label, [mnt])
+        after = stats()
+        pairs = zip(before["replicas"], after["replicas"], strict=True)
+        served = [y["bytes_served"] - x["bytes_served"] for x, y in pairs]
+        res[key]["cpu_s_per_gb"] = (cpu_seconds(after["pid"]) - cpu) / max(sum(served) / 1e9, 1e-9)
+        res[key]["served_shares"] = [x / max(sum(served), 1) for x in served]
+
+    def under_load(action: str) -> float:
+        """`colifs mirror ACTION` 2 s into a bench of the mount: the seconds it took."""
+        load = subprocess.Popen(
+            [*COLIFS, "bench", str(mnt), "--threads", str(args.threads), "--seconds", "6"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(2)
+            t0 = time.monotonic()
+            sh(*COLIFS, "mirror", action, str(mnt), str(b))
+            return time.monotonic() - t0
+        finally:
+            load.wait()
+
+    phase("c", "both directly, ideal split", [a, b], "--weights", f"{f:g},{s:g}")
+    with colifs_mount([a, b], mnt, "--weights", f"{f:g},{s:g}"):
+        measured("m_both", "colifs, both drives")
+        res["t_remove"] = {"seconds": under_load("remove")}
+        # No descriptor left on the mirror's drive: it unmounts at once (and is mounted again).
+        unmounted = subprocess.run(["umount", str(rig.mounts[1])], capture_output=True, text=True)
+        res["drive_unmounted"] = {"ok": unmounted.returncode == 0, "why": unmounted.stderr.strip()}
+        if unmounted.returncode == 0:
+            sh("mount", rig.loops[1], str(rig.mounts[1]))
+        measured("m_removed", "colifs, mirror removed")
+        res["t_add"] = {"seconds": under_load("add")}
+        measured("m_added", "colifs, mirror added back")
+    print()
+    print(f"drives: fast {f:g}, slow {s:g} MB/s; {args.threads} readers, {args.seconds:g} s a phase")
+    print(f"{'phase':<46} {'GB/s':>7} {'of':>5} {'':<22} {'split':>11} {'CPU s/GB':>9}")
+    refs = {"m_both": "c", "m_removed": "a", "m_added": "c"}
+    for key, ref in refs.items():
+        got, base = res[key]["gb_per_s"], res[ref]["gb_per_s"]
+        split = " / ".join(f"{100 * x:.0f}%" for x in res[key]["served_shares"])
+        print(
+            f"{key + ') ' + res[key]['label']:<46} {got:>7.3f} {got / base:>5.2f} "
+            f"{'of ' + res[ref]['label']:<22.22} {split:>11} {res[key]['cpu_s_per_gb']:>9.2f}"
+        )
+    gone = res["drive_unmounted"]
+    print(
+        f"colifs mirror remove under load: {res['t_remove']['seconds']:.2f} s; the mirror's drive then "
+        + ("unmounted at once" if gone["ok"] else f"did NOT unmount: {gone['why']}")
+        + f"; colifs mirror add under load: {res['t_add']['seconds']:.2f} s"
+    )
+
+
 # The other process: O_DIRECT 4 MiB reads of a model's files over and over, one at a time, logging
 # "wall-clock bytes-so-far" every 50 ms so its rate over any window can be read afterwards.
 _COMPETITOR = """
@@ -536,6 +605,11 @@ def _parse() -> argparse.Namespace:
         help="only the adaptive-weights study: wrong weights, the mirror or the primary slowing mid-run",
     )
     p.add_argument(
+        "--membership-study",
+        action="store_true",
+        help="only the membership study: the mirror removed and added back under load",
+    )
+    p.add_argument(
         "--adapt-modes",
         default="stripe,adaptive,queue",
         help="the routing modes the adaptive study compares (default stripe,adaptive,queue)",
@@ -608,7 +682,12 @@ def main() -> int:
             if getattr(args, name):
                 study(args, phase, rig, mnt, res)
                 return 0
-        studies_w = {"partial_study": partial_study, "fault_study": fault_study, "adapt_study": adapt_study}
+        studies_w = {
+            "partial_study": partial_study,
+            "fault_study": fault_study,
+            "adapt_study": adapt_study,
+            "membership_study": membership_study,
+        }
         for name, study in studies_w.items():
             if getattr(args, name):
                 study(args, phase, rig, mnt, res, work)

@@ -7,7 +7,8 @@ headers (what a mount must at least do), `colifs umount`, and reads the daemon's
 with a partial mirror (every other shard) and a usage history covering every key: the mount
 computes partial-mirror routing, 1 MiB of every shard is read, and the unmount saves the usage
 (merged into the history file). Each measured for both engines, with a `colifs reload` of the
-mount (every header checked again, nothing changed).
+mount (every header checked again, nothing changed), and the mirror taken away and added back
+(`colifs mirror remove`, `colifs mirror add`: every header of the mirror checked again).
 Usage: python contrib/bench/mount_scale.py [WORKDIR]
 """
 
@@ -138,6 +139,17 @@ def timed_reload(colifs: list[str], mnt: Path) -> tuple[float, float]:
     return t, json.loads((mnt / ".colifs" / "stats.json").read_text())["reload"]["last"]["seconds"]
 
 
+def timed_mirror(colifs: list[str], mnt: Path, mirror: Path) -> tuple[float, float]:
+    """(seconds `colifs mirror remove` took, seconds `colifs mirror add` took), caches dropped first."""
+    out = []
+    for action in ("remove", "add"):
+        drop_caches()
+        t0 = time.monotonic()
+        subprocess.run([*colifs, "mirror", action, str(mnt), str(mirror)], check=True, capture_output=True)
+        out.append(time.monotonic() - t0)
+    return out[0], out[1]
+
+
 def main() -> int:
     work = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="colifs-scale-"))
     primary, mirror, mnt = work / "p", work / "m", work / "mnt"
@@ -152,14 +164,16 @@ def main() -> int:
         for engine in ("native", "pyfuse3"):  # side by side: the native engine also builds run tables
             t_mount, st, rss = timed_mount(colifs, [primary, mirror], mnt, "--engine", engine)
             t_reload, in_daemon = timed_reload(colifs, mnt)
+            t_remove, t_add = timed_mirror(colifs, mnt, mirror)
             t0 = time.monotonic()
             subprocess.run([*colifs, "umount", str(mnt)], check=True)
             t_umount = time.monotonic() - t0
             usable = sum(1 for f in st["files"].values() if len(f["replicas"]) == 2)
             print(
                 f"{engine:>7}: mount (until serving) {t_mount:.2f} s = {t_mount / floor:.2f}x parsing   "
-                f"reload {t_reload:.2f} s ({in_daemon:.2f} in the daemon)   umount {t_umount:.2f} s   "
-                f"daemon RSS {rss / 1024:.0f} MiB   ({usable} shards mirrored)"
+                f"reload {t_reload:.2f} s ({in_daemon:.2f} in the daemon)   mirror remove {t_remove:.2f} s, "
+                f"add {t_add:.2f} s   umount {t_umount:.2f} s   daemon RSS {rss / 1024:.0f} MiB   "
+                f"({usable} shards mirrored)"
             )
         for p in sorted(mirror.glob("*.safetensors"))[::2]:
             p.unlink()  # a partial mirror: every other shard
