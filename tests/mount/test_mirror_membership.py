@@ -5,6 +5,7 @@ removed mirror's drive (it unmounts), the mirror back takes traffic again, bad i
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import shutil
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import mounted, read_direct, refuse, run_colifs, shards, streaming
+from tests.helpers import force_unmount, mounted, read_direct, refuse, run_colifs, shards, streaming
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
@@ -106,30 +107,38 @@ def test_a_mirror_removed_under_eight_readers_keeps_no_descriptor_and_its_drive_
 
 
 def test_readers_stream_through_a_stage_a_reload_a_removal_and_an_add(model) -> None:
-    """A copy staged while mounted (as `colifs stage` publishes it: a rename) serves after a reload;
-    then the mirror is removed and added back: four readers never see an error or a wrong byte."""
-    primary, mirror, mnt = model
-    shard = shards(mirror)[0]
-    aside = shard.with_name(shard.name + ".aside")
-    shard.rename(aside)  # a partial mirror at mount
+    """`colifs stage` fills an empty mirror that a live mount uses (and has it reload: the staged
+    copies serve), then the mirror is removed and added back, three times, a reload between:
+    four readers never see an error or a wrong byte."""
+    primary, _, mnt = model
+    mirror = primary.parent / "empty"
+    mirror.mkdir()
     want = {p.name: p.read_bytes() for p in shards(primary)}
-    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt), "--weights", "1,1")
+    assert out.returncode == 0, out.stderr
+    try:
         with streaming(mnt, want, 4) as (errors, rounds):
-            aside.rename(shard)
-            assert run_colifs("reload", str(mnt)).stdout.startswith(f"mirror {mirror}: 1 files added")
+            staged = run_colifs("stage", str(primary), str(mirror), "--budget", "1T", "-q")
+            assert staged.returncode == 0, staged.stderr
+            assert f"{mnt} reloaded, mirror {mirror}: 3 files added" in staged.stdout, staged.stdout
             for _ in range(3):
                 out = run_colifs("mirror", "remove", str(mnt), str(mirror))
                 assert out.returncode == 0, out.stderr
-                assert held_there(m.stats()["pid"], mirror) == []
+                st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+                assert held_there(st["pid"], mirror) == []
                 assert run_colifs("reload", str(mnt)).stdout.startswith(f"mirror {mirror}: removed")
                 out = run_colifs("mirror", "add", str(mnt), str(mirror))
                 assert out.returncode == 0 and "3 files served" in out.stdout, out.stderr
             time.sleep(0.3)
-            assert not errors, errors[0]
-            assert min(rounds) >= 1, rounds
-            # A read in flight on the mirror when it left is read from the primary: not its error.
-            assert m.stats()["replicas"][1]["read_errors"] == 0
-        shard.rename(aside)  # the mirror as it was at mount
+        assert not errors, errors[0]
+        assert min(rounds) >= 1, rounds
+        st = json.loads((mnt / ".colifs" / "stats.json").read_text())
+        # A read in flight on the mirror when it left is read from the primary: not its error.
+        assert st["replicas"][1]["read_errors"] == 0 and st["replicas"][1]["bytes_served"] > 0
+        assert all(f["vouched_by_receipt"] == [str(mirror)] for f in st["files"].values())
+    finally:
+        run_colifs("umount", str(mnt))
+        force_unmount(mnt)
 
 
 def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_path: Path) -> None:
