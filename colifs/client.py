@@ -145,17 +145,24 @@ def mirror(mountpoint: str, command: str, path: str, timeout: float, weight: flo
 
 
 def mounts_using(mirror: str, wait: float = 5.0) -> list[str]:
-    """The live colifs mounts that serve the directory `mirror` as one of their mirrors. A mount
-    whose daemon does not answer within `wait` seconds is left out, and said on stderr."""
+    """The live colifs mounts that serve the directory `mirror` as one of their mirrors (not one
+    they removed: `colifs mirror add` brings it back). A mount whose daemon does not answer within
+    `wait` seconds is left out, and said on stderr."""
     want = os.path.realpath(mirror)
     out = []
     for mnt in colifs_mounts():
         st = _stats_within(mnt, wait)
         if st is None:
             print(f"colifs: {mnt}: its daemon does not answer; not checked", file=sys.stderr)
-        elif any(os.path.realpath(r.get("path", "")) == want for r in st.get("replicas", [])[1:]):
+        elif any(_serves(r, want) for r in st.get("replicas", [])[1:]):
             out.append(mnt)
     return out
+
+
+def _serves(replica: dict, mirror: str) -> bool:
+    """A mount's replica (as stats.json shows it) is the directory `mirror`, in use (not removed)."""
+    removed = replica.get("health", {}).get("state") == "removed"
+    return not removed and os.path.realpath(replica.get("path", "")) == mirror
 
 
 def _stats_within(mnt: str, wait: float) -> dict | None:

@@ -153,7 +153,11 @@ def test_bad_mirror_commands_are_one_line_and_the_mount_serves_on(model, tmp_pat
         refuse(["mirror", "add", str(mnt), str(other)], 2, "not a replica")  # it would join as a new one
         refuse(["mirror", "add", str(mnt), str(mirror), "--weight", "-1"], 2, "--weight must be")
         refuse(["mirror", "remove", str(tmp_path), str(mirror)], 3, "is not a colifs mount")
+        plan = run_colifs("plan", str(primary), str(mirror), "--budget", "1T")
+        assert plan.returncode == 0 and f"served by: {mnt}" in plan.stdout, plan.stdout
         assert run_colifs("mirror", "remove", str(mnt), str(mirror)).returncode == 0
+        plan = run_colifs("plan", str(primary), str(mirror), "--budget", "1T")
+        assert plan.returncode == 0 and "served by" not in plan.stdout, plan.stdout  # removed: not served
         refuse(["mirror", "remove", str(mnt), str(mirror)], 2, "was removed already")
         # Not a replica any more: the directory now holds something else.
         real = mirror.with_name("real")
