@@ -348,20 +348,8 @@ class Reader:
                 calls.append((self.workers[d], self.io.pread_into, rest))
                 waiting.append(i)
         results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
-        # Each mirror read holds the file open until it returns, even given up on: a descriptor
-        # closed under it could have its number reused by another open before its pread.
-        drives = [runs[i][2] for i in waiting]  # now: the caller re-routes failed runs afterwards
-        mirror_reads = [k for k, d in enumerate(drives) if d != 0]
-        for k in mirror_reads:
-            of.mirror_read_starts(drives[k])
-
-        def late(k: int, _result: outcome.Outcome) -> None:  # only mirror reads are ever late
-            self._mirror_read_done(of, drives[k])
-
-        outcomes = await gather(calls, late) if calls else []
-        for k in mirror_reads:
-            if outcomes[k] is not None:  # in time (a late one lets go when it returns)
-                self._mirror_read_done(of, drives[k])
+        # Their drives now: the caller re-routes failed runs afterwards.
+        outcomes = await self._gather(of, calls, [runs[i][2] for i in waiting]) if calls else []
         for i, result in zip(waiting, outcomes, strict=True):
             if result is None:
                 timeout = self.workers[runs[i][2]].timeout
@@ -371,6 +359,23 @@ class Reader:
             else:
                 results[i] = result
         return results
+
+    async def _gather(self, of: OpenFile, calls: list, drives: list[int]) -> list[outcome.Outcome | None]:
+        """`gather` the calls (on `drives`). Each mirror read holds the file open until it returns,
+        even given up on: a descriptor closed under it could have its number reused by another
+        open before its pread; and its mirror's retired descriptors stay open until then."""
+        mirror_reads = [k for k, d in enumerate(drives) if d != 0]
+        for k in mirror_reads:
+            of.mirror_read_starts(drives[k])
+
+        def late(k: int, _result: outcome.Outcome) -> None:  # only mirror reads are ever late
+            self._mirror_read_done(of, drives[k])
+
+        outcomes = await gather(calls, late)
+        for k in mirror_reads:
+            if outcomes[k] is not None:  # in time (a late one lets go when it returns)
+                self._mirror_read_done(of, drives[k])
+        return outcomes
 
     async def _read_runs(
         self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, off: int, end: int
