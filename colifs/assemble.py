@@ -29,12 +29,13 @@ from colifs.readplan import Router
 from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
 from colifs.reload import Reloader, Reloads, Weight
 from colifs.replicas import Identity, Replica
-
-if TYPE_CHECKING:
-    from colifs.pyfuse3.reader import Reader
 from colifs.stats import Counters, DriveCounters, MountInfo, Stats
 from colifs.tree import Tree
 from colifs.usage import Usage
+
+if TYPE_CHECKING:
+    from colifs.pyfuse3.reader import Reader
+    from colifs.pyfuse3.workers import DriveWorkers
 
 log = logging.getLogger("colifs")
 
@@ -96,10 +97,12 @@ class _Routing:
         return index
 
     def recount(self, files: Mapping[int, ServedFile], history: Usage, weights: list[float]) -> None:
-        """The traffic per set of copies again, once a reload changed the copies."""
+        """The traffic per set of copies (at mount, and again once a reload changed the copies),
+        and the weights for the files the mirrors hold, from the plain `weights`."""
         nrep = len(self.replicas)
         self.by_set = traffic_by_copies(files, history, nrep) if nrep > 1 and history else None
         self.partial = None if self.by_set is None else partial_weights(weights, self.by_set)[1]
+        self.weights = self.held(weights)
 
 
 def assemble(
@@ -149,17 +152,6 @@ def _routing(
             log.info("probe: %s", line)
         replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]
     log.info("%s", describe(replicas, cfg.weights_source, files))
-    weights, partial = [r.weight for r in replicas], None
-    by_set = traffic_by_copies(files, history, len(replicas)) if len(replicas) > 1 and history else None
-    if by_set is not None:
-        weights, partial = partial_weights(weights, by_set)
-        log.info(
-            "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
-            "expected byte split %s",
-            " / ".join(f"{100 * x:.0f}%" for x in partial["coverage"][1:]),
-            ":".join(f"{w:.3g}" for w in weights),
-            " / ".join(f"{100 * x:.0f}%" for x in partial["predicted_byte_share"]),
-        )
     shown = tuple(
         {
             "path": p.replica.root,
@@ -170,7 +162,18 @@ def _routing(
         }
         for p in probed
     )
-    return _Routing(replicas, weights, shown, partial, by_set)
+    plain = [r.weight for r in replicas]
+    routing = _Routing(replicas, plain, shown, None, None)
+    routing.recount(files, history, plain)
+    if routing.partial is not None:
+        log.info(
+            "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
+            "expected byte split %s",
+            " / ".join(f"{100 * x:.0f}%" for x in routing.partial["coverage"][1:]),
+            ":".join(f"{w:.3g}" for w in routing.weights),
+            " / ".join(f"{100 * x:.0f}%" for x in routing.partial["predicted_byte_share"]),
+        )
+    return routing
 
 
 @dataclass(frozen=True)
@@ -205,7 +208,7 @@ class _Parts:
                 self.balancer.set_weight(weight.drive, value, why)
             self.routing.recount(self.files, self.history, self.balancer.weights)
             stats.set_partial(self.routing.partial)
-            apply(self.routing.held(self.balancer.weights))
+            apply(self.routing.weights)
 
         def place(root: str, weight: float | None, index: int | None) -> int:
             if index is not None:
@@ -251,13 +254,9 @@ class _Parts:
         from colifs.pyfuse3.engine import Pyfuse3Engine
         from colifs.pyfuse3.fs import ColiFS
         from colifs.pyfuse3.reader import Reader
-        from colifs.pyfuse3.workers import DriveWorkers
 
         cfg = self.cfg
-        workers = [
-            DriveWorkers(f"{r.role}{r.index}", cfg.threads_per_drive, cfg.mirror_timeout if r.index else None)
-            for r in self.replicas
-        ]
+        workers = [_drive_workers(cfg, r.index) for r in self.replicas]
         tally = Tally() if saving else None
         recorder = UsageRecorder(usage_path, saving, runs, tally)
         tuning = Tuning(cfg.knobs)
@@ -319,8 +318,14 @@ class _Pyfuse3Membership:
         """Nothing: the reader builds each path from the replicas' roots."""
 
     def add_drive(self, root: str, weights: list[float]) -> None:
-        from colifs.pyfuse3.workers import DriveWorkers
-
-        index = len(self.reader.workers)
-        self.reader.grow(DriveWorkers(f"mirror{index}", self.cfg.threads_per_drive, self.cfg.mirror_timeout))
+        self.reader.grow(_drive_workers(self.cfg, len(self.reader.workers)))
         self.reader.set_weights(weights)
+
+
+def _drive_workers(cfg: MountConfig, index: int) -> DriveWorkers:
+    """The pyfuse3 engine's threads for replica `index`: a mirror's reads time out, the primary's
+    never."""
+    from colifs.pyfuse3.workers import DriveWorkers
+
+    name, timeout = (f"mirror{index}", cfg.mirror_timeout) if index else ("primary0", None)
+    return DriveWorkers(name, cfg.threads_per_drive, timeout)

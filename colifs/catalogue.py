@@ -63,8 +63,9 @@ class ServedFile:
         the notes about that mirror are replaced."""
         self.reloaded[replica] = self.reloaded.get(replica, 0) + 1
         notes = [x for x in self.note.split("; ") if x and not x.startswith(f"mirror {root}:")]
-        if ident is None:
+        if ident is None:  # a copy that does not serve is vouched for by no receipt either
             self.copies = tuple(r for r in self.copies if r != replica)
+            self.vouched = tuple(r for r in self.vouched if r != replica)
             self.identities.pop(replica, None)
             notes.append(f"mirror {root}: {why}")
         else:
@@ -195,6 +196,8 @@ def vouched_copies(
     """Per file, the mirrors whose `colifs stage` receipt still vouches for its copy (SHA-256-checked)."""
     out: dict[int, tuple[int, ...]] = {}
     for r in replicas[1:]:
+        if not any(r.index in f.copies for f in files.values()):
+            continue  # nothing to vouch for (a mirror removed, or empty): its receipt is not read
         receipt = load_receipt(r.root)
         if not receipt:
             continue

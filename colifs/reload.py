@@ -270,8 +270,6 @@ class Reloader:
             log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
             why = "removed (colifs mirror remove)"
             applied, busy = await self._apply([Verdict(ino, r.index, None, why) for ino in held], wait)
-            for f in self.files.values():
-                f.vouch(tuple(i for i in f.vouched if i != r.index))
             self._reweigh(None)
             left = await self._closed(r.root, t0 + wait)
             change = {
@@ -305,7 +303,7 @@ class Reloader:
         probe against the primary), a removed one's is the one it had."""
         async with self._lock:
             slot, new = self._slot(path)
-            root = os.path.abspath(path) if slot is None or new else slot.root
+            root = os.path.abspath(path) if new else slot.root
             if not os.path.isdir(root):
                 raise UsageError(f"{root} is not a directory (is its drive mounted?)")
             t0 = time.monotonic()

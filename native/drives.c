@@ -772,16 +772,24 @@ static int column_ok(int nrep, const uint8_t *row, int c) {
     return b == 1ull << 32;
 }
 
-/* The routes for nrep replicas (one writer at a time: the GIL); the counts change inside the
- * sequence lock's window, so a request copies routes and count of one generation. */
-static int write_routes(engine_t *e, const uint8_t *data, size_t len, int nrep) {
+/* Routes for nrep replicas: one column per set of mirrors, each valid (column_ok). */
+static int routes_ok(const uint8_t *data, size_t len, int nrep) {
     int ncols = 1 << (nrep - 1);
     size_t width = 8 * (size_t)nrep + STRIPE_SLOTS;
-    if (len != width * (size_t)ncols)
-        return -1;
-    for (int c = 0; c < ncols; c++) /* every column checked before any is changed */
+    if (nrep > MAX_REPLICAS || len != width * (size_t)ncols)
+        return 0;
+    for (int c = 0; c < ncols; c++)
         if (!column_ok(nrep, data + (size_t)c * width, c))
-            return -1;
+            return 0;
+    return 1;
+}
+
+/* Routes checked by routes_ok, for nrep replicas (one writer at a time: the GIL); the counts
+ * change inside the sequence lock's window, so a request copies routes and count of one
+ * generation. */
+static void write_routes(engine_t *e, const uint8_t *data, int nrep) {
+    int ncols = 1 << (nrep - 1);
+    size_t width = 8 * (size_t)nrep + STRIPE_SLOTS;
     uint64_t gen = atomic_load_explicit(&e->routes_gen, memory_order_relaxed);
     atomic_store_explicit(&e->routes_gen, gen + 1, memory_order_relaxed);
     atomic_thread_fence(memory_order_release);
@@ -799,28 +807,28 @@ static int write_routes(engine_t *e, const uint8_t *data, size_t len, int nrep) 
     atomic_store_explicit(&e->ncols, ncols, memory_order_relaxed);
     atomic_store_explicit(&e->nrep, nrep, memory_order_relaxed);
     atomic_store_explicit(&e->routes_gen, gen + 2, memory_order_release);
-    return 0;
 }
 
 int set_routes(engine_t *e, const uint8_t *data, size_t len) {
-    return write_routes(e, data, len, atomic_load(&e->nrep));
+    int nrep = atomic_load(&e->nrep);
+    if (!routes_ok(data, len, nrep)) /* every column checked before any is changed */
+        return -1;
+    write_routes(e, data, nrep);
+    return 0;
 }
 
 int add_drive(engine_t *e, const uint8_t *routes, size_t len) {
     int d = atomic_load(&e->nrep);
-    size_t width = 8 * (size_t)(d + 1) + STRIPE_SLOTS;
-    if (d >= MAX_REPLICAS || len != width * ((size_t)1 << d))
+    if (!routes_ok(routes, len, d + 1)) /* before a thread starts */
         return -1;
-    for (int c = 0; c < 1 << d; c++) /* before a thread starts */
-        if (!column_ok(d + 1, routes + (size_t)c * width, c))
-            return -1;
     int err = drive_start(e, d);
     if (err) {
         drive_undo(&e->drives[d]);
         return err;
     }
     atomic_fetch_or(&e->up, 1u << d);
-    return write_routes(e, routes, len, d + 1);
+    write_routes(e, routes, d + 1);
+    return 0;
 }
 
 

@@ -86,8 +86,8 @@ class OpenFile:
 
     def renew(self, epochs: Sequence[int]) -> None:
         """Mirror descriptors opened before their mirror last came back up may be dead (its
-        filesystem mounted again): detached, to be opened again; the old ones close once no mirror
-        read runs on the file (a read given up on may still use one), at most RETIRED_FDS of them
+        filesystem mounted again): detached, to be opened again; the old ones close once no read
+        runs on their mirror (a read given up on may still use one), at most RETIRED_FDS of them
         (past that the old one stays: a flapping mirror must not take every descriptor)."""
         for d in sorted(self.usable - {0}):
             fd = self.fds[d]
@@ -98,9 +98,8 @@ class OpenFile:
                 self.detached.add(d)
 
     def swap(self, drive: int, again: bool) -> None:
-        """A reload changed the mirror's copy: its descriptor retires (closed once no mirror read
-        runs on the file), and
-        the copy is opened `again` at the next read, or not used."""
+        """A reload changed the mirror's copy: its descriptor retires (closed once no read runs on
+        that mirror), and the copy is opened `again` at the next read, or not used."""
         fd = self.fds[drive]
         if fd is not None:
             self.retired.append((drive, fd))
