@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 from colifs.backing import BackingIO, OsIO
-from colifs.balance import Adaptive, Balancer
+from colifs.balance import Activity, Adaptive, Balancer
 from colifs.catalogue import ServedFile, build_files, describe, partial_weights, traffic_by_copies
 from colifs.checks import check_mountpoint, check_roots
 from colifs.config import MountConfig, mount_options
@@ -127,7 +127,10 @@ def assemble(
     adaptive = cfg.adaptive_weights and not groups
     if cfg.adaptive_weights and groups:
         log.info("adaptive weights: off, copies share a drive; the weights stay as mounted")
-    balancer = Balancer([r.weight for r in routing.replicas], fixed=not adaptive)
+    # Queue routing evens out backlogs itself: there only readers waiting on one drive move the split.
+    balancer = Balancer(
+        [r.weight for r in routing.replicas], fixed=not adaptive, by_utilization=cfg.routing != "queue"
+    )
     parts = _Parts(
         cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings(),
         history, Reloads(),
@@ -269,7 +272,7 @@ class _Parts:
         options = mount_options(cfg.allow_other, cfg.fuse_options)
         engine = Pyfuse3Engine(ops, reader, workers, self.mnt, options)
         adaptive = self._adaptive(
-            lambda: (stats.bytes_served, [w.busy_seconds for w in workers]), reader.set_weights
+            lambda: Activity(stats.bytes_served, [w.busy_seconds for w in workers]), reader.set_weights
         )
         reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)

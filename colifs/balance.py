@@ -1,26 +1,36 @@
 """Adaptive weights: the split follows what each drive delivers now, not what it did at mount.
 
-Both engines count, per drive, the bytes it delivered and its busy time (time with a read of ours
-running on it). Every TICK the engine hands the totals to `Balancer.observe`, which looks at them
-over WINDOW-second windows and balances the drives' **utilization** (busy time / window):
+Both engines count, per drive, the bytes it delivered, its busy time (time with a read of ours
+running on it) and its time **alone**: time in which it alone had reads that an O_DIRECT reader
+waits for, the other drives none (they sat idle while a reader waited on it). Every TICK the engine
+hands the totals to `Balancer.observe`, which looks at them over WINDOW-second windows:
 
-- one drive busy while another idles (utilizations more than BALANCED apart, in two windows in a
-  row): the busiest drive gives a step of share to the idlest; the step grows while the direction
-  holds and halves when it reverses, so the split closes in on the point where neither waits for
-  the other;
+- readers waited on one drive alone (times alone adding up to WAITED of the window at least; the
+  native engine counts them): the drive alone longest gives a step of share to the one alone
+  least, once they differ by BALANCED_ALONE of the window in two windows in a row;
+- else, unless only time alone moves the split (`by_utilization` off: queue routing, whose spills
+  even out backlogs; there readers that wait on no drive in particular have the split right): one
+  drive busy while another idles (utilizations more than BALANCED apart, in two windows in a
+  row): the busiest drive gives a step of share to the idlest;
+- a step grows while the direction holds and halves when it reverses, so the split closes in on
+  the point where neither waits for the other;
 - every drive busy (all at least SATURATED): each one's rate (bytes per busy second) is what it
   can deliver, and the shares move halfway to the rates, once some share is DEADBAND off;
 - otherwise (light load, drives equally busy) the split is right as it is.
 
-Why utilization and not the rates alone: a drive that is not kept busy reads much faster per busy
-second than it can sustain (measured: a 150 MB/s throttle at half the traffic it could take showed
-737 MB/s), so rates are trusted only from saturated drives; a busy drive and an idle one always say
-which way to move. After a change the next window starts SETTLE s later (requests routed before it
-drain). Every drive keeps at least FLOOR of the weight, so it is still read, still measured, and
-gets its share back when it recovers. A drive that served nothing in a window (down, or no copy)
-takes no part. Weights only move interval boundaries (colifs.routing): each layer's experts and
-each file's stripes split exactly in the weights in force, and a change moves only the keys
-between the old and the new boundaries. Pure but for the clock the caller passes.
+Why time alone first, then utilization, and not the rates alone: a drive that is not kept busy
+reads much faster per busy second than it can sustain (measured: a 150 MB/s throttle at half the
+traffic it could take showed 737 MB/s; a 300 MB/s one read by one reader, 658), so rates are
+trusted only from saturated drives, and its busy time understates how long readers wait for it;
+the time a reader waits on one drive while the others idle is what a better split removes. A
+step that time alone asks for is never more than what would have the waiting reader's pieces end
+together (`evening`), and is judged like any other. After a change the next window starts
+SETTLE s later (requests routed before it drain). Every drive keeps at least FLOOR of the
+weight, so it is still read, still measured, and gets its share back when it recovers. A drive
+that served nothing in a window (down, or no copy) takes no part. Weights only move interval
+boundaries (colifs.routing): each layer's experts and each file's stripes split exactly in the
+weights in force, and a change moves only the keys between the old and the new boundaries. Pure
+but for the clock the caller passes.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import trio
 
@@ -47,9 +58,31 @@ FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence
 DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' are left alone
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
 TOLERANCE = 0.15  # a change after which the mount moves this much less (relative) is undone (noise: less)
+TOLERANCE_ALONE = 0.05  # the same for a step time alone asked for: undone, it is tried by half
+AGAIN = 2  # steps one way after an overshoot, then the step is full again (the best split moved on)
+AGAIN_ALONE = 4  # the same, when time alone decides: it flips from one drive to the other at the
+# best split (a reader waits on one or the other), and a drive that read in bursts while lightly
+# used pays back for seconds after: the split closes in by halving steps instead of swinging
 HOLD = 20.0  # s an undone step's direction is not tried again
+SPILLED = 0.05  # a drive whose backlog spilled this share of the window's bytes gets no step of share
+BALANCED_ALONE = 0.03  # times alone closer than this (share of the window): pieces end together
+WAITED = 0.05  # time alone (all drives, share of the window) from which it decides the step
 IDLE = 0.25  # a step towards a drive busy less than this is not on trial: it has room, whatever
 # the threads say (the judging window is too noisy then: a slow drive's few reads per window)
+
+
+def evening(late: float, early: float, alone: float) -> float:
+    """The share that, moved from the drive a reader waited on to the other, has their pieces end
+    together, if the reader waited on it `alone` (a fraction) of each request: its pieces take
+    1/(1 - alone) times the other's. Time alone is counted over the window, in which the reader
+    also computes, so `alone` understates it and the move falls short: the split closes in on the
+    point from one side, without swinging past it."""
+    alone = min(alone, 0.99)
+    return late - (late + early) * late * (1 - alone) / (late * (1 - alone) + early)
+
+
+def _minus(now: Sequence[float], then: Sequence[float]) -> list:
+    return [b - a for a, b in zip(then, now, strict=True)]
 
 
 def shares(weights: Sequence[float]) -> list[float]:
@@ -72,6 +105,17 @@ def with_floor(target: Sequence[float], floor: float) -> list[float]:
         low = now_low
 
 
+class Activity(NamedTuple):
+    """What an engine counted per drive since mount: bytes served, seconds with a read running,
+    and, if it measures them, seconds alone with reads an O_DIRECT reader waits for, and bytes its
+    routes gave the drive that its backlog spilled to another (queue routing)."""
+
+    nbytes: Sequence[int]
+    busy: Sequence[float]
+    alone: Sequence[float] | None = None
+    spilled: Sequence[int] | None = None
+
+
 @dataclass
 class Window:
     """What each drive did over one measuring window."""
@@ -79,6 +123,12 @@ class Window:
     seconds: float
     nbytes: list[int]
     busy: list[float]
+    alone: list[float] | None = None  # None: the engine does not measure it
+    spilled: list[int] | None = None  # bytes routed to the drive that went to another (queue routing)
+
+    def room(self, d: int) -> bool:
+        """Whether drive d can take more: not if its backlog spilled (SPILLED of the bytes moved)."""
+        return self.spilled is None or self.spilled[d] <= SPILLED * sum(self.nbytes)
 
     @property
     def throughput(self) -> float:
@@ -104,6 +154,7 @@ class Trial:
     direction: tuple[int, int] | None
     undo: bool = False
     before_step: float = 0.0
+    by_alone: bool = False  # a step that time alone asked for
 
 
 @dataclass
@@ -113,12 +164,14 @@ class Balancer:
 
     weights: list[float]
     floor: float = FLOOR
-    fixed: bool = False  # without --adaptive-weights: the drives are measured and shown, weights stay
+    fixed: bool = False  # --fixed-weights, or copies on one drive: the drives are measured and shown
+    by_utilization: bool = True  # off: only time alone moves the split (and saturated drives' rates)
     rates: list[float | None] = field(default_factory=list)  # bytes per busy second, smoothed
     utilization: list[float] = field(default_factory=list)  # of the last window
+    alone: list[float] = field(default_factory=list)  # of the last window, share of it
     changes: int = 0
     last_change: dict = field(default_factory=dict)  # at (None: never), why, shares before and after
-    _start: tuple[list[int], list[float], float] | None = None  # the window's counters at its start
+    _start: tuple[Activity, float] | None = None  # the window's counters at its start, and when
     _not_before: float = 0.0  # the next window starts then (SETTLE after a change)
     _step: float = STEP
     _last_move: tuple[int, int] | None = None  # (from, to) of the last step
@@ -134,26 +187,29 @@ class Balancer:
         self.rates = [None] * len(self.weights)
         self._pending = [(0, 0.0, 0.0)] * len(self.weights)
         self.utilization = [0.0] * len(self.weights)
+        self.alone = [0.0] * len(self.weights)
         now = [round(x, 4) for x in shares(self.weights)]
         # The same shape before the first change as after: stats.json barely grows while serving.
         self.last_change = {"at": None, "why": "as mounted", "shares_before": now, "shares_after": now}
 
-    def observe(self, nbytes: Sequence[int], busy: Sequence[float], now: float) -> list[float] | None:
-        """Counter totals (bytes delivered, seconds busy, per drive) at monotonic time `now`; the new
-        weights when they change, else None."""
+    def observe(self, a: Activity, now: float) -> list[float] | None:
+        """Counter totals at monotonic time `now`; the new weights when they change, else None."""
         if now < self._not_before:
             return None
-        if self._start is None or now < self._start[2]:
-            self._start = (list(nbytes), list(busy), now)
+        a = Activity(*(None if x is None else list(x) for x in a))  # an engine may hand its live lists
+        if self._start is None or now < self._start[1]:
+            self._start = (a, now)
             return None
-        b0, s0, t0 = self._start
+        a0, t0 = self._start
         if now - t0 < WINDOW:
             return None
-        self._start = (list(nbytes), list(busy), now)
+        self._start = (a, now)
         w = Window(
             now - t0,
-            [b - a for a, b in zip(b0, nbytes, strict=True)],
-            [b - a for a, b in zip(s0, busy, strict=True)],
+            _minus(a.nbytes, a0.nbytes),
+            _minus(a.busy, a0.busy),
+            None if a.alone is None or a0.alone is None else _minus(a.alone, a0.alone),
+            None if a.spilled is None or a0.spilled is None else _minus(a.spilled, a0.spilled),
         )
         self._measured(w, now)
         if self.fixed:
@@ -169,21 +225,25 @@ class Balancer:
     def _judge_trial(self, w: Window, now: float) -> list[float] | None:
         """The first window after a change judges it: a step after which the mount moves less than
         before is undone (the signals misled: drives differ in more than their speed) and its
-        direction left alone for HOLD s; an undo after which the mount moves less still is undone
-        in turn (the drives changed meanwhile: the step was right). Returns the weights when it
-        changes them."""
+        direction left alone for HOLD s (one that time alone asked for: tried again by half); an
+        undo after which the mount moves less still is undone in turn (the drives changed
+        meanwhile: the step was right). Returns the weights when it changes them."""
         if w.throughput <= 0:  # no load: nothing to judge by yet
             return None
         trial, self._trial = self._trial, None
         if trial is not None and trial.undo and w.throughput < 0.5 * trial.before_step:
             self._held.pop(trial.direction, None)  # type: ignore[arg-type]
             return None  # less than half of before the step, either way: the drives changed
-        if trial is None or w.throughput >= (1 - TOLERANCE) * trial.throughput:
+        tolerance = TOLERANCE_ALONE if trial is not None and trial.by_alone else TOLERANCE
+        if trial is None or w.throughput >= (1 - tolerance) * trial.throughput:
             return None
         if trial.undo:
             self._held.pop(trial.direction, None)  # type: ignore[arg-type]
         elif trial.direction is not None:
-            self._held[trial.direction] = now + HOLD
+            # Time alone does not mislead about the direction (the reader waited on that drive): a
+            # step that lowered the throughput was too big, and a half step is tried next.
+            if not trial.by_alone or self._step <= STEP_MIN:
+                self._held[trial.direction] = now + HOLD
             self._step = max(STEP_MIN, self._step / 2)
             self._trial = Trial(list(self.weights), w.throughput, trial.direction, True, trial.throughput)
         before = shares(self.weights)
@@ -200,6 +260,7 @@ class Balancer:
         measured too, a little later. Windows in which it delivered nothing (idle, or failing) do
         not count."""
         self.utilization = w.utilization
+        self.alone = [0.0] * len(self.rates) if w.alone is None else [a / w.seconds for a in w.alone]
         for d in range(len(self.rates)):
             if not w.nbytes[d]:
                 continue
@@ -220,17 +281,22 @@ class Balancer:
         taking = [d for d, b in enumerate(w.nbytes) if b > 0]  # a drive that served nothing: no part
         if len(taking) < 2:
             return None
-        u = w.utilization
         self._direction = None
-        busiest = max(taking, key=lambda d: u[d])
-        idlest = min(taking, key=lambda d: u[d])
-        if u[busiest] - u[idlest] > BALANCED:
+        if sum(self.alone) >= WAITED:  # readers waited on one drive: who, says the step
+            signal = self.alone
+        elif self.by_utilization:
+            signal = w.utilization
+        else:  # queue routing: backlogs spill, and no reader waited on one drive
+            signal = [0.0] * len(self.weights)
+        busiest = max(taking, key=lambda d: signal[d])
+        idlest = min((d for d in taking if w.room(d)), key=lambda d: signal[d], default=busiest)
+        if signal[busiest] - signal[idlest] > (BALANCED_ALONE if signal is self.alone else BALANCED):
             # Two windows in a row must ask the same: a throttled drive's bursts and debts make
             # single windows flip between "this one waits" and "that one waits".
             asked, self._asked = self._asked, (busiest, idlest)
             if asked != (busiest, idlest) or self._held.get((busiest, idlest), 0.0) > now:
                 return None
-            return self._step_towards(shares(self.weights), busiest, idlest)
+            return self._step_towards(shares(self.weights), busiest, idlest, signal is self.alone)
         self._asked = None
         return self._towards_rates(w, shares(self.weights), taking)
 
@@ -249,7 +315,9 @@ class Balancer:
             return None
         return [(a + b) / 2 for a, b in zip(want, now, strict=True)]
 
-    def _step_towards(self, now: list[float], busiest: int, idlest: int) -> list[float] | None:
+    def _step_towards(
+        self, now: list[float], busiest: int, idlest: int, by_alone: bool
+    ) -> list[float] | None:
         if self._last_move == (idlest, busiest):
             self._step = max(STEP_MIN, self._step / 2)  # overshot: back, by half as much
             self._reversed, self._same = True, 0
@@ -257,10 +325,12 @@ class Balancer:
             self._same += 1
             if not self._reversed:  # searching: bigger steps
                 self._step = min(STEP_MAX, self._step * 1.5)
-            elif self._same >= 2:  # three steps one way since an overshoot: the best split moved on
+            elif self._same >= (AGAIN_ALONE if by_alone else AGAIN):
                 self._step, self._reversed = max(STEP, self._step), False
         self._last_move = self._direction = (busiest, idlest)
         move = min(self._step, now[busiest] - self.floor)
+        if by_alone:
+            move = min(move, evening(now[busiest], now[idlest], self.alone[busiest] - self.alone[idlest]))
         if move <= 0:
             return None
         out = list(now)
@@ -273,12 +343,18 @@ class Balancer:
         if max(abs(a - b) for a, b in zip(target, before, strict=True)) < 1e-3:
             return None
         towards = None if self._direction is None else self._direction[1]
-        on_trial = towards is None or self.utilization[towards] >= IDLE
-        self._trial = Trial(list(self.weights), w.throughput, self._direction) if on_trial else None
+        by_alone = self._direction is not None and sum(self.alone) >= WAITED
+        # A step towards an idle drive is on trial only when time alone asked for it: then the
+        # window after judges by what the waiting reader got.
+        on_trial = towards is None or by_alone or self.utilization[towards] >= IDLE
+        self._trial = (
+            Trial(list(self.weights), w.throughput, self._direction, by_alone=by_alone) if on_trial else None
+        )
         scale = sum(self.weights)
         self.weights = [t * scale for t in target]
         self._start, self._not_before, self._asked = None, now + SETTLE, None
         why = "utilization " + ", ".join(f"{100 * u:.0f}%" for u in self.utilization)
+        why += "; alone " + ", ".join(f"{100 * a:.0f}%" for a in self.alone)
         why += "; measured MB/s " + ", ".join("?" if r is None else f"{r / 1e6:.1f}" for r in self.rates)
         self._changed(before, target, why)
         return self.weights
@@ -289,6 +365,7 @@ class Balancer:
         self.weights.append(weight)
         self.rates.append(None)
         self.utilization.append(0.0)
+        self.alone.append(0.0)
         self._pending.append((0, 0.0, 0.0))
         self._start, self._trial = None, None
         self._changed([*before, 0.0], shares(self.weights), "a mirror added (colifs mirror add)")
@@ -324,6 +401,7 @@ class Balancer:
             "shares": [round(s, 4) for s in shares(self.weights)],
             "measured_mb_per_s": [None if r is None else round(r / 1e6, 1) for r in self.rates],
             "utilization": [round(u, 3) for u in self.utilization],
+            "alone": [round(a, 3) for a in self.alone],
             "changes": self.changes,
             "last_change": self.last_change,
         }
@@ -338,7 +416,7 @@ class Adaptive:
     def __init__(
         self,
         balancer: Balancer,
-        activity: Callable[[], tuple[Sequence[int], Sequence[float]]],
+        activity: Callable[[], Activity],
         held: Callable[[list[float]], list[float]],
         apply: Callable[[list[float]], None],
         measured: Callable[[list[float | None]], None] | None = None,
@@ -350,7 +428,7 @@ class Adaptive:
         self._measured = measured
 
     def tick(self, now: float) -> None:
-        weights = self.balancer.observe(*self._activity(), now)
+        weights = self.balancer.observe(self._activity(), now)
         if weights is not None:
             self._apply(self._held(weights))
         if self._measured is not None:

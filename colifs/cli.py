@@ -47,14 +47,13 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument(
         "--adaptive-weights",
         action="store_true",
-        help="move the weights to what each drive delivers now under --routing queue too (the default "
-        "of the other routings)",
+        help="move the weights to what each drive delivers now (the default; kept for old command lines)",
     )
     m.add_argument(
         "--fixed-weights",
         action="store_true",
-        help="keep the split in the weights given or probed at mount, whatever the drives do while "
-        "serving: no spill of a drive's backlog (--routing stripe unless given), no adaptive weights",
+        help="keep the weights given or probed at mount, whatever the drives do while serving "
+        "(--routing stripe unless given: no spill of a drive's backlog either)",
     )
     m.add_argument("-f", "--foreground", action="store_true", help="stay in the foreground")
     m.add_argument(

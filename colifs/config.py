@@ -91,10 +91,9 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         weights,
         source,
         probe_seconds=0.0 if args.no_probe else args.probe_seconds,
-        # The split follows the drives unless --fixed-weights: queue routing by the drives'
-        # backlogs and measured speeds, the other routings by moving the weights (docs/benchmarks.md
-        # runs 54, 61).
-        adaptive_weights=args.adaptive_weights or (routing != "queue" and not args.fixed_weights),
+        # The split follows the drives unless --fixed-weights: the weights move (colifs.balance), and
+        # under queue routing a drive's backlog spills too (docs/benchmarks.md runs 54, 61, 65).
+        adaptive_weights=not args.fixed_weights,
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
         routing=routing,
@@ -135,10 +134,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _check_choices(args: argparse.Namespace) -> None:
     """Flags that do not go together."""
-    if args.fixed_weights and (args.routing == "queue" or args.adaptive_weights):
-        raise UsageError(
-            "--fixed-weights keeps the split as mounted: no --routing queue, no --adaptive-weights"
-        )
+    if args.fixed_weights and args.adaptive_weights:
+        raise UsageError("--fixed-weights keeps the weights as mounted: not with --adaptive-weights")
     if args.routing == "queue" and args.engine != "native":
         raise UsageError("--routing queue needs the native engine (--engine native)")
     if args.passthrough and args.engine != "native":

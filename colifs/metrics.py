@@ -82,6 +82,12 @@ def prometheus(st: dict) -> str:
         [(labels, v * 1e6) for labels, v in measured],
     )
     lines += _family(
+        "drive_waited_alone_ratio",
+        "gauge",
+        "Share of the last second in which O_DIRECT readers waited on this drive alone, the others idle.",
+        per_replica("waited_alone"),
+    )
+    lines += _family(
         "weight_changes",
         "counter",
         "Times the weights in force changed while serving.",

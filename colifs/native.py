@@ -19,6 +19,7 @@ import trio
 
 from colifs import _native
 from colifs.backing import OsIO, TimedOut, check_read
+from colifs.balance import Activity
 from colifs.boundary import request_errno
 from colifs.catalogue import ServedFile
 from colifs.errors import MountError
@@ -101,6 +102,7 @@ class NativeCounters:
         self._bytes, self._reads = field["drive_bytes"], field["drive_reads"]
         self._errors, self._busy = field["drive_errors"], field["drive_busy"]
         self.mirror_ok, self._busy_ns = field["drive_ok"], field["drive_busy_ns"]
+        self._alone_ns = field["drive_alone_ns"]
         self._spilled, self._fallbacks = field["drive_spilled"], field["fallbacks"]
         self._stretch, self._passthrough = field["stretch"], field["passthrough"]
         self._key_bytes, self._key_reads = field["key_bytes"], field["key_reads"]
@@ -173,9 +175,10 @@ class NativeCounters:
     def in_flight(self) -> list[int]:
         return self._busy[: self.nrep].tolist()
 
-    def activity(self) -> tuple[list[int], list[float]]:
-        """Per drive: bytes served and seconds with a read running, since mount (the balancer's input)."""
-        return self.bytes_served, [ns / 1e9 for ns in self._busy_ns[: self.nrep].tolist()]
+    def activity(self) -> Activity:
+        """What the balancer looks at (colifs.balance.Activity), since mount."""
+        busy, alone = ([ns / 1e9 for ns in c[: self.nrep].tolist()] for c in (self._busy_ns, self._alone_ns))
+        return Activity(self.bytes_served, busy, alone, self.spilled)
 
     def failed(self, drive: int) -> None:
         """The engine counts its errors itself."""

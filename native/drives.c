@@ -30,6 +30,7 @@ typedef struct job {
     ident_t want;  /* the copy's identity, generation and use when the job was handed out */
     uint32_t gen;
     int usable;    /* 0: a reload took the copy out after the request was planned: not read */
+    int waited;    /* counted in waiting.pending until done or given up on (under p->m) */
     char what[200];
     struct job *next;
 } job_t;
@@ -362,6 +363,34 @@ static void drive_active(engine_t *e, int d, int delta) {
     pthread_mutex_unlock(&e->activity[d].m);
 }
 
+/* Pieces a waiting reader needs from drive d: +n handed out, -1 each read (or given up). While
+ * exactly one drive has some, the others sit idle while a reader waits on it: that time is the
+ * drive's time alone, what colifs.balance moves share away from. Unlike busy time it is not
+ * flattered by a drive that reads in bursts when lightly used (a throttle, an SLC cache). */
+static void waiting_change(engine_t *e, const int *delta) {
+    pthread_mutex_lock(&e->waiting.m);
+    uint64_t now = mono_ns();
+    int only = -1, with = 0;
+    for (int x = 0; x < MAX_REPLICAS; x++) {
+        if (e->waiting.pending[x] > 0) {
+            only = x;
+            with++;
+        }
+    }
+    if (with == 1) /* added up at changes only: a window sees a long wait once it ends */
+        atomic_fetch_add(&e->ctr.drive_alone_ns[only], now - e->waiting.since);
+    e->waiting.since = now;
+    for (int x = 0; x < MAX_REPLICAS; x++)
+        e->waiting.pending[x] += delta[x];
+    pthread_mutex_unlock(&e->waiting.m);
+}
+
+static void waiting_on(engine_t *e, int d, int delta) {
+    int v[MAX_REPLICAS] = {0};
+    v[d] = delta;
+    waiting_change(e, v);
+}
+
 static void run_job(engine_t *e, job_t *j) {
     if (!j->usable) {
         j->changed = 1; /* judged stale */
@@ -407,11 +436,13 @@ static void pending_free(pending_t *p) {
     free(p);
 }
 
-static void finish_job(job_t *j) {
+static void finish_job(engine_t *e, job_t *j) {
     pending_t *p = j->p;
     int last;
     pthread_mutex_lock(&p->m);
     j->done = 1;
+    if (j->waited) /* else the reading stopped waiting for it (collect: timed out) */
+        waiting_on(e, j->drive, -1);
     p->left--;
     pending_unref_locked(p, &last);
     pthread_cond_signal(&p->c);
@@ -455,7 +486,7 @@ static void *drive_main(void *arg) {
         atomic_fetch_sub(&dr->e->queued[j->drive], j->len);
         file_t *f = j->f;
         int d = j->drive;
-        finish_job(j); /* j may be freed from here */
+        finish_job(dr->e, j); /* j may be freed from here */
         job_done(dr->e, f, d);
     }
 }
@@ -978,7 +1009,7 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
 /* The mirror pieces' jobs, queued on their drives. Each job holds the file open until it is done:
  * a reading that gives up on a late job may release the file meanwhile, and a descriptor closed
  * under the job could be reused by any other open (a /dev/fuse clone, say) before its pread. */
-static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p, size_t nm) {
+static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p, size_t nm, int waited) {
     pthread_mutex_lock(&f->lock);
     f->refs += (int)nm;
     size_t j = 0;
@@ -991,7 +1022,7 @@ static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p
         pc[i].gen = gen;
         p->jobs[j++] = (job_t){.p = p, .f = f, .drive = d, .run = (int)i, .dst = pc[i].dst,
                                .off = pc[i].start, .len = pc[i].end - pc[i].start,
-                               .want = f->ident[d], .gen = gen,
+                               .want = f->ident[d], .gen = gen, .waited = waited,
                                .usable = (atomic_load(&f->mask) >> d) & 1u};
     }
     pthread_mutex_unlock(&f->lock);
@@ -1006,8 +1037,13 @@ static int collect(engine_t *e, pending_t *p, size_t nm, piece_t *pc, size_t n, 
                    notes_t *nt) {
     int err = 0;
     int timed_out = wait_jobs(e, p); /* returns with p->m held */
-    for (size_t j = 0; j < nm; j++)
+    for (size_t j = 0; j < nm; j++) {
         judge(e, &p->jobs[j], &pc[p->jobs[j].run], nt);
+        if (!p->jobs[j].done && p->jobs[j].waited) { /* late: nobody waits for it from now on */
+            p->jobs[j].waited = 0;
+            waiting_on(e, p->jobs[j].drive, -1);
+        }
+    }
     if (timed_out) { /* still under p->m: no late job has finished since */
         p->abandoned = 1;
         p->release = how->release;
@@ -1019,6 +1055,14 @@ static int collect(engine_t *e, pending_t *p, size_t nm, piece_t *pc, size_t n, 
     if (last)
         pending_free(p);
     return err;
+}
+
+/* A waiting reader's pieces, counted per drive (at once) before any is read. */
+static void wait_for(engine_t *e, const piece_t *pc, size_t n) {
+    int per[MAX_REPLICAS] = {0};
+    for (size_t i = 0; i < n; i++)
+        per[pc[i].drive]++;
+    waiting_change(e, per);
 }
 
 /* The mirror pieces, on their drives' threads, while the caller reads the primary's. Returns 0,
@@ -1035,11 +1079,19 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
         inline_bytes += pc[i].drive ? 0 : pc[i].end - pc[i].start;
     }
     atomic_fetch_add(&e->queued[0], inline_bytes);
+    if (how->waited)
+        wait_for(e, pc, n);
     if (p)
-        hand_out(e, f, pc, n, p, nm);
-    for (size_t i = 0; i < n; i++)
-        if (!pc[i].drive)
+        hand_out(e, f, pc, n, p, nm, how->waited);
+    int inline_pieces = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (!pc[i].drive) {
             read_primary(e, f, pc, how, i, 1);
+            inline_pieces++;
+        }
+    }
+    if (how->waited && inline_pieces) /* the primary's pending ends with its last piece */
+        waiting_on(e, 0, -inline_pieces);
     return p ? collect(e, p, nm, pc, n, how, nt) : 0;
 }
 
@@ -1065,7 +1117,11 @@ static int fall_back(engine_t *e, file_t *f, piece_t *pc, size_t n, const readin
         atomic_fetch_add(e->ctr.fallbacks, 1);
         if (pc[i].status == RES_CHANGED)
             drop_copy(f, d, pc[i].gen);
+        if (how->waited) /* the reader waits for the re-read too */
+            waiting_on(e, 0, 1);
         read_primary(e, f, pc, how, i, 0);
+        if (how->waited)
+            waiting_on(e, 0, -1);
         if (pc[i].err)
             err = pc[i].err;
     }
@@ -1159,13 +1215,16 @@ static void reply_valid(fuse_req_t req, const piece_t *pc, size_t n, const char 
 /* Plan [off, asked) into runs of one drive each, read them (the mirrors' on their threads, the
  * primary's here), fall back where a mirror failed, reply. An errno if no reply was sent. */
 static int read_and_reply(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked,
-                          int primary_only, request_mem_t *mem, piece_t *pc, notes_t *nt) {
+                          int primary_only, int cached, request_mem_t *mem, piece_t *pc, notes_t *nt) {
     uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
     size_t n = plan_runs(e, f, start, asked, stop, off, primary_only, pc);
     for (size_t i = 0; i < n; i++)
         pc[i].dst = mem->buf + (pc[i].start - start);
+    /* An O_DIRECT reader waits for this request; a page-cache reader's readahead may not (it
+     * hides a slow drive's latency): only the first say which drive holds readers up. */
+    int waited = !cached && !primary_only && (usable(e, f) >> 1) != 0;
     reading_t how = {.abandon = relocate, .release = release_buffer, .arg = mem, .reread_timeouts = 1,
-                     .count_from = off, .count_to = asked};
+                     .count_from = off, .count_to = asked, .waited = waited};
     int err = read_pieces(e, f, pc, n, &how, nt); /* mem->buf: another one if mirror pieces timed out */
     if (!err)
         reply_valid(req, pc, n, mem->buf, start, off, asked);
@@ -1192,7 +1251,7 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     notes_t nt;
     nt.n = 0;
     /* via < 0: a stretch's mirror failed, so the primary reads it all */
-    int err = pc && mem.buf ? read_and_reply(e, req, f, off, asked, via < 0, &mem, pc, &nt) : ENOMEM;
+    int err = pc && mem.buf ? read_and_reply(e, req, f, off, asked, via < 0, cached, &mem, pc, &nt) : ENOMEM;
     if (err)
         fuse_reply_err(req, err);
     send_notes(e, f, &nt); /* after the reply: Python takes its time */

@@ -154,6 +154,8 @@ typedef struct {
     void (*release)(void *arg);
     void *arg;
     int reread_timeouts; /* timed-out pieces too are read from the primary (abandon moved them) */
+    int waited;          /* an O_DIRECT reader waits for all of it, and it may use several drives:
+                            its pieces count in the drives' time alone (drives.c waiting_on) */
     uint64_t count_from, count_to;
 } reading_t;
 
@@ -184,6 +186,8 @@ typedef struct {
 typedef struct {
     _Atomic uint64_t *drive_bytes, *drive_reads, *drive_errors, *drive_busy;
     _Atomic uint64_t *drive_busy_ns;      /* time with a read running on the drive (its rate's base) */
+    _Atomic uint64_t *drive_alone_ns;     /* time the drive alone had reads an O_DIRECT reader waits
+                                             for, the others none (drives.c waiting_on) */
     _Atomic uint64_t *drive_spilled;      /* bytes the routes gave the drive that went to another
                                              (--routing queue: it had a backlog) */
     _Atomic uint64_t *fallbacks;          /* [0] fallbacks, [1] late mirror jobs skipped unread */
@@ -242,6 +246,11 @@ typedef struct engine {
         int running;
         uint64_t since;
     } activity[MAX_REPLICAS]; /* reads running per drive, for drive_busy_ns */
+    struct {
+        pthread_mutex_t m;
+        int pending[MAX_REPLICAS];
+        uint64_t since;
+    } waiting; /* pieces of waited-for readings not read yet, per drive, for drive_alone_ns */
 
     drive_t drives[MAX_REPLICAS];
     int threads_left;          /* drive threads detached stuck in a read: the tables must outlive them */

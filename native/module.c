@@ -325,6 +325,7 @@ static const struct counter_field {
     {"drive_busy", offsetof(counters_t, drive_busy), PER_DRIVE, 1},
     {"drive_ok", offsetof(counters_t, drive_ok), PER_DRIVE, 1},
     {"drive_busy_ns", offsetof(counters_t, drive_busy_ns), PER_DRIVE, 1},
+    {"drive_alone_ns", offsetof(counters_t, drive_alone_ns), PER_DRIVE, 1},
     {"drive_spilled", offsetof(counters_t, drive_spilled), PER_DRIVE, 1},
     {"fallbacks", offsetof(counters_t, fallbacks), ONCE, 2},
     {"stretch", offsetof(counters_t, stretch), ONCE, 7},
@@ -429,6 +430,7 @@ static int load_replicas(engine_t *e, PyObject *roots, const uint8_t *routes, si
     e->ncols = 1 << (e->nrep - 1);
     for (int d = 0; d < MAX_REPLICAS; d++) /* a mirror may be added while serving */
         pthread_mutex_init(&e->activity[d].m, NULL);
+    pthread_mutex_init(&e->waiting.m, NULL);
     if (!routes || set_routes(e, routes, route_len)) {
         PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
         return -1;

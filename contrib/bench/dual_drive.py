@@ -331,7 +331,8 @@ def fault_study(
 MODES = {
     "stripe": ("--fixed-weights",),  # fixed 1 MiB stripes, the split as mounted
     "adaptive": ("--routing", "stripe"),  # stripes whose weights follow the drives (its default)
-    "queue": ("--routing", "queue"),
+    "queue": ("--routing", "queue"),  # the native default: backlogs spill, weights follow waiting readers
+    "queue-fixed": ("--routing", "queue", "--fixed-weights"),  # backlogs spill, weights stay (before run 65)
     "pyfuse3": ("--engine", "pyfuse3"),  # the pyfuse3 engine's default: adaptive stripes
     "pyfuse3-fixed": ("--engine", "pyfuse3", "--fixed-weights"),
 }

@@ -38,7 +38,7 @@ def test_native_only_flags_need_the_native_engine(tmp_path: Path, flags: tuple[s
     assert done.stderr.count("\n") == 1 and " ".join(flags) in done.stderr, done.stderr
 
 
-@pytest.mark.parametrize("flags", [("--routing", "queue"), ("--adaptive-weights",)])
+@pytest.mark.parametrize("flags", [("--adaptive-weights",)])
 def test_fixed_weights_refuse_what_would_move_the_split(tmp_path: Path, flags: tuple[str, ...]) -> None:
     (tmp_path / "p").mkdir()
     (tmp_path / "mnt").mkdir()

@@ -546,11 +546,11 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
 
 def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, engine: str) -> None:
     """Mounted with equal weights; the mirror slows to 4 MB/s mid-run: within seconds the weights in
-    force follow what each drive delivers (no remount), and every byte stays the primary's. The
-    pyfuse3 engine does so by default (stripe routing); the native engine's queue routing when
-    asked (--adaptive-weights)."""
-    flags = ("--adaptive-weights",) if engine == "native" else ()
-    with through_faultfs(tmp_path, *flags) as (primary, mnt, control):
+    force follow what each drive delivers (no remount), and every byte stays the primary's. Both
+    engines do so by default: the native engine's queue routing because its O_DIRECT reader waits
+    on the mirror alone (stats.json balance.alone, the reason of the last change), the pyfuse3
+    engine's stripes by utilization."""
+    with through_faultfs(tmp_path) as (primary, mnt, control):
         assert stats(mnt)["balance"]["adaptive"] and stats(mnt)["replicas"][1]["weight_share"] == 0.5
         control.write_text("slow 4")
         t0, shares = time.monotonic(), []
@@ -569,21 +569,23 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, 
         )
         assert after["balance"]["changes"] >= 1
         assert after["balance"]["last_change"]["why"].startswith("utilization")
+        assert "alone" in after["balance"]["last_change"]["why"] and len(after["balance"]["alone"]) == 2
         assert after["replicas"][1]["measured_mb_per_s"] < 20 < after["replicas"][0]["measured_mb_per_s"]
         assert after["replicas"][1]["weight_share"] == after["balance"]["shares"][1]
         assert after["fallbacks"] == 0  # slow is not failed: nothing was re-read
         last = after["balance"]["last_change"]
         assert last["at"] and (last["shares_before"] == [0.5, 0.5] or after["balance"]["changes"] > 1)
         assert "measured" in run_colifs("stats", str(mnt)).stdout
+        assert "colifs_drive_waited_alone_ratio{" in run_colifs("stats", str(mnt), "--prometheus").stdout
         print(f"\nmirror share {shares} in {took:.1f} s: {after['balance']}")
 
 
-def test_queue_routing_keeps_the_weights_as_mounted(tmp_path: Path, engine: str) -> None:
-    """The native engine's default follows the drives by their backlogs, not by moving the weights;
-    the drives are measured and shown all the same."""
+def test_queue_routing_with_fixed_weights_keeps_the_weights_as_mounted(tmp_path: Path, engine: str) -> None:
+    """`--routing queue --fixed-weights`: backlogs spill, the weights stay as mounted; the drives are
+    measured and shown all the same."""
     if engine == "pyfuse3":
         pytest.skip("--routing queue is the native engine's")
-    with through_faultfs(tmp_path) as (primary, mnt, control):
+    with through_faultfs(tmp_path, "--routing", "queue", "--fixed-weights") as (primary, mnt, control):
         control.write_text("slow 8")
         t0 = time.monotonic()
         while time.monotonic() - t0 < 4:
@@ -615,10 +617,11 @@ def test_one_reader_with_wrong_weights_follows_the_measured_speeds(tmp_path: Pat
     """Weights 1,1, the mirror slowed to 8 MB/s, ONE O_DIRECT reader: its many requests in flight
     queue on both drives alike, so only the drives' measured speeds (colifs.balance, every second)
     tell the mirror's backlog from the primary's: once measured, the mirror's pieces go to the
-    primary (the queue routing before measured speeds kept the split at 1:1)."""
+    primary (the queue routing before measured speeds kept the split at 1:1). With the weights
+    fixed, so that the spill alone is seen (by default the weights move too)."""
     if engine == "pyfuse3":
         pytest.skip("--routing queue is the native engine's")
-    with through_faultfs(tmp_path) as (primary, mnt, control):
+    with through_faultfs(tmp_path, "--routing", "queue", "--fixed-weights") as (primary, mnt, control):
         control.write_text("slow 8")
 
         def read_for(seconds: float) -> dict:
@@ -642,10 +645,11 @@ def test_one_reader_with_wrong_weights_follows_the_measured_speeds(tmp_path: Pat
 def test_queue_routing_spills_a_slow_mirrors_backlog_to_the_primary(tmp_path: Path, engine: str) -> None:
     """--routing queue, weights 1,1, the mirror slowed to 4 MB/s and 8 O_DIRECT readers: the routes
     give the mirror half the bytes; the pieces queued behind its backlog go to the primary instead,
-    with no remount and no re-read, and every byte stays the primary's."""
+    with no remount and no re-read, and every byte stays the primary's (the weights fixed, so that
+    the spill alone is seen)."""
     if engine == "pyfuse3":
         pytest.skip("--routing queue is the native engine's")
-    with through_faultfs(tmp_path, "--routing", "queue") as (primary, mnt, control):
+    with through_faultfs(tmp_path, "--routing", "queue", "--fixed-weights") as (primary, mnt, control):
         assert stats(mnt)["routing"] == "queue" and stats(mnt)["replicas"][1]["weight_share"] == 0.5
         control.write_text("slow 4")
         stop = time.monotonic() + 4

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from colifs.balance import FLOOR, TICK, Balancer, shares, with_floor
+from colifs.balance import FLOOR, TICK, Activity, Balancer, evening, shares, with_floor
 from colifs.cli import parser
 from colifs.config import mount_config
 from colifs.formats.layout import ExpertKey
@@ -35,7 +35,7 @@ class Drives:
         self.now = 0.0
         self.rng = random.Random(seed)
 
-    def run(self, weights: list[float], dt: float = TICK) -> tuple[list[int], list[float], float]:
+    def run(self, weights: list[float], dt: float = TICK) -> tuple[Activity, float]:
         s = shares(weights)
         limits = [r / x if x > 0 else float("inf") for r, x in zip(self.rates, s, strict=True)]
         moved = 0.0 if self.rng.random() < self.pauses else min(limits) * dt
@@ -46,7 +46,7 @@ class Drives:
             self.bytes[d] += int(moved * x)
             self.busy[d] += min(dt, moved * x / rate)
         self.now += dt
-        return list(self.bytes), list(self.busy), self.now
+        return Activity(list(self.bytes), list(self.busy)), self.now
 
     def delivered(self, weights: list[float]) -> float:
         """Bytes/s the load moves with these weights."""
@@ -115,15 +115,15 @@ def test_a_drive_that_serves_nothing_takes_no_part() -> None:
     draw weight for it; and without load nothing changes."""
     b = Balancer([2.0, 1.0, 1.0])
     for t in range(1, 40):  # the primary saturated, mirror 1 half busy, mirror 2 down
-        b.observe([t * 10**7, t * 10**6, 0], [t * TICK, t * TICK / 2, 0.0], t * TICK)
+        b.observe(Activity([t * 10**7, t * 10**6, 0], [t * TICK, t * TICK / 2, 0.0]), t * TICK)
     s = shares(b.weights)
     assert s[2] == 0.25 and s[1] > 0.25  # mirror 2 kept its share; the idle mirror 1 got more
-    idle = ([39 * 10**7, 39 * 10**6, 0], [39 * TICK, 39 * TICK / 2, 0.0])
+    idle = Activity([39 * 10**7, 39 * 10**6, 0], [39 * TICK, 39 * TICK / 2, 0.0])
     for t in range(40, 48):  # the load stops: a step just taken may be undone (it cannot be judged)
-        b.observe(*idle, t * TICK)
+        b.observe(idle, t * TICK)
     weights = list(b.weights)
     for t in range(48, 80):  # no load at all: nothing changes
-        assert b.observe(*idle, t * TICK) is None
+        assert b.observe(idle, t * TICK) is None
     assert b.weights == weights
 
 
@@ -134,8 +134,8 @@ def test_a_step_that_lowers_the_throughput_is_undone_and_not_tried_again_soon() 
     b = Balancer([3.0, 1.0])
     drives = Drives([60e6, 20e6])
     for _ in range(int(40 / TICK)):
-        nbytes, busy, now = drives.run(b.weights)
-        b.observe(nbytes, [busy[0], busy[1] / 2], now)
+        a, now = drives.run(b.weights)
+        b.observe(Activity(a.nbytes, [a.busy[0], a.busy[1] / 2]), now)
     assert b.last_change["why"].startswith("undone")
     assert b.changes <= 4  # one step and its undo; at most one more try within 40 s
     assert abs(shares(b.weights)[1] - 0.25) < 0.01
@@ -167,7 +167,7 @@ def test_a_drive_barely_busy_is_measured_over_several_windows() -> None:
     compares backlogs by)."""
     b = Balancer([1.0, 1.0], fixed=True)
     for k in range(1, 6):  # the primary: 8 MB in 8 ms a second; the mirror: 8 MB in a whole second
-        b.observe([k * 8_000_000, k * 8_000_000], [k * 0.008, k * 1.0], float(k))
+        b.observe(Activity([k * 8_000_000, k * 8_000_000], [k * 0.008, k * 1.0]), float(k))
     fast, slow = b.rates
     assert slow == 8e6 and fast is not None and abs(fast - 1e9) < 1e6
 
@@ -179,7 +179,7 @@ def test_what_a_drive_did_long_ago_does_not_make_its_rate_now() -> None:
     done, busy, t = 0, 0.0, 0.0
     for step in [(8_000_000, 0.008)] * 2 + [(0, 0.0)] * 30 + [(100_000_000, 1.0)]:
         done, busy, t = done + step[0], busy + step[1], t + 1
-        b.observe([done, done], [busy, busy], t)
+        b.observe(Activity([done, done], [busy, busy]), t)
     assert b.rates[0] == 100e6
 
 
@@ -218,7 +218,8 @@ def test_with_floor_keeps_every_share_above_the_floor_and_the_order(raw: list[fl
 @pytest.mark.parametrize(
     ("flags", "routing", "adaptive"),
     [
-        ((), "queue", False),  # follows the drives by backlog and measured speed, not weights
+        ((), "queue", True),  # backlogs spill, and readers waiting on one drive move the weights
+        (("--routing", "queue", "--fixed-weights"), "queue", False),  # backlogs spill, weights stay
         (("--engine", "pyfuse3"), "stripe", True),
         (("--routing", "stripe"), "stripe", True),
         (("--routing", "expert"), "expert", True),
@@ -241,3 +242,111 @@ def test_a_weight_given_while_serving_is_in_force_and_said() -> None:
     assert b.weights == [3.0, 3.0] and b.changes == 1
     assert b.last_change["why"] == "given by colifs mirror add"
     assert b.last_change["shares_after"] == [0.5, 0.5]
+
+
+class OneReader:
+    """One O_DIRECT reader of whole experts, each split over the drives by the shares in force:
+    a request ends with its slowest piece, and the drive that reads last is alone meanwhile (the
+    others idle while the reader waits on it). A drive reads `burst` times faster than its rate
+    when lightly used, so its busy time understates how long the reader waits for it (what a blkio
+    throttle does): utilizations say nothing useful here, time alone does."""
+
+    def __init__(self, rates: list[float], noise: float = 0.0, burst: float = 3.0, seed: int = 1) -> None:
+        self.rates = list(rates)
+        self.noise, self.burst = noise, burst
+        self.bytes, self.busy, self.alone = [0] * len(rates), [0.0] * len(rates), [0.0] * len(rates)
+        self.now = 0.0
+        self.rng = random.Random(seed)
+
+    def times(self, weights: list[float]) -> list[float]:
+        """Seconds each drive takes for its piece of one byte of request."""
+        return [x / r for x, r in zip(shares(weights), self.rates, strict=True)]
+
+    def run(self, weights: list[float], dt: float = TICK) -> tuple[Activity, float]:
+        took = [t * (1 + self.rng.uniform(-self.noise, self.noise)) for t in self.times(weights)]
+        moved = dt / max(took)  # bytes per tick: one request after another
+        last = max(range(len(took)), key=lambda d: took[d])
+        for d, x in enumerate(shares(weights)):
+            self.bytes[d] += int(moved * x)
+            self.busy[d] += moved * took[d] / (1 if d == last else self.burst)
+        self.alone[last] += moved * (max(took) - sorted(took)[-2])
+        self.now += dt
+        return Activity(list(self.bytes), list(self.busy), list(self.alone)), self.now
+
+    def delivered(self, weights: list[float]) -> float:
+        return 1 / max(self.times(weights))
+
+
+def test_one_reader_with_wrong_weights_is_led_by_time_alone() -> None:
+    """Weights 1,1 on a 900 + 300 pair read by one reader whose pieces end when the slow drive's
+    does: time alone moves the split to 3:1 within seconds, whatever the busy times say (the slow
+    drive busy while the fast one bursts through its half), and it then stays there."""
+    b = Balancer([1.0, 1.0], by_utilization=False)  # as under queue routing
+    reader = OneReader([900e6, 300e6], noise=0.05)
+    history = settle(b, reader, 20)
+    assert reader.delivered(history[int(12 / TICK)]) >= 0.85 * 1200e6, history[:: int(1 / TICK)]
+    assert abs(shares(b.weights)[1] - 0.25) < 0.05, shares(b.weights)
+    assert "alone" in b.last_change["why"] and b.as_dict()["alone"][1] >= 0  # said and shown
+    changes = b.changes
+    history = settle(b, reader, 60)
+    assert b.changes - changes <= 8, b.changes - changes  # it settles: no swinging between splits
+    assert all(abs(s[1] - 0.25) <= 0.06 for s in history), history
+
+
+@given(
+    st.floats(min_value=1.2, max_value=6.0),
+    st.floats(min_value=0.1, max_value=0.9),
+    st.integers(min_value=0, max_value=2**16),
+)
+def test_time_alone_settles_near_the_drives_ratio_from_any_start(
+    ratio: float, start: float, seed: int
+) -> None:
+    """From any split, one reader on drives `ratio` apart: within 40 s the split is within 10% of
+    the drives' own (where both pieces of a request end together) and never leaves the floor."""
+    b = Balancer([start, 1 - start], by_utilization=False)
+    reader = OneReader([ratio * 100e6, 100e6], noise=0.03, seed=seed)
+    history = settle(b, reader, 40)
+    true = 1 / (1 + ratio)
+    assert abs(shares(b.weights)[1] - true) <= 0.1 * true + 0.01, (ratio, start, history[-1])
+    assert all(min(s) >= FLOOR - 1e-12 for s in history)
+
+
+def test_time_alone_in_balance_keeps_the_split_whatever_the_utilizations() -> None:
+    """Queue routing: the waiting reader's pieces end together (time alone small on both drives):
+    the split is right for it, and a drive that shows busier (fewer threads, bursts) does not move
+    it."""
+    b = Balancer([3.0, 1.0], by_utilization=False)
+    for t in range(1, 80):  # mirror busy 90%, primary 30%; each alone 2% of the time
+        b.observe(Activity([t * 10**8, t * 10**7], [t * 0.3, t * 0.9], [t * 0.02, t * 0.02]), float(t))
+    assert b.changes == 0 and b.weights == [3.0, 1.0]
+
+
+def test_no_share_goes_to_a_drive_whose_backlog_spills() -> None:
+    """Another process takes the mirror's drive: queue routing spills its pieces to the primary,
+    which is then the only drive readers wait on. That is no reason to give the mirror more."""
+    b = Balancer([3.0, 1.0], by_utilization=False)
+    for t in range(1, 80):  # the primary alone 60% of the time, the mirror spills 20% of the bytes
+        a = Activity([t * 10**8, t * 10**7], [t * 0.9, t * 0.5], [t * 0.6, 0.0], [0, t * 2 * 10**7])
+        b.observe(a, float(t))
+    assert b.changes == 0 and b.weights == [3.0, 1.0]
+
+
+@given(
+    st.floats(min_value=0.05, max_value=0.95),
+    st.floats(min_value=0.2, max_value=5.0),
+)
+def test_theevening_move_has_a_waiting_readers_pieces_end_together(late: float, speed: float) -> None:
+    """Shares `late` and 1 - late on drives whose speeds are 1 and `speed`, the late one's pieces
+    the slower to end: time alone (per request) gives the move after which both end together,
+    and a time alone counted over a longer window (the reader computes too) moves less, never past."""
+    early = 1 - late
+    t_late, t_early = late / 1.0, early / speed
+    if t_late <= t_early:
+        late, early, t_late, t_early = early, late, early / speed, late / 1.0
+        rates = (speed, 1.0)
+    else:
+        rates = (1.0, speed)
+    alone = (t_late - t_early) / t_late
+    move = evening(late, early, alone)
+    assert abs((late - move) / rates[0] - (early + move) / rates[1]) < 1e-9
+    assert 0 <= evening(late, early, alone / 2) <= move

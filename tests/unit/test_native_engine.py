@@ -100,6 +100,7 @@ COUNTER_FIELDS = {
     "drive_busy": lambda r, k, f: r,
     "drive_ok": lambda r, k, f: r,
     "drive_busy_ns": lambda r, k, f: r,
+    "drive_alone_ns": lambda r, k, f: r,
     "drive_spilled": lambda r, k, f: r,
     "fallbacks": lambda r, k, f: 2,  # fallbacks, late reads skipped
     "stretch": lambda r, k, f: len(EXTENT_BUFFER),
