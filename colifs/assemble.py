@@ -272,7 +272,8 @@ class _Parts:
         options = mount_options(cfg.allow_other, cfg.fuse_options)
         engine = Pyfuse3Engine(ops, reader, workers, self.mnt, options)
         adaptive = self._adaptive(
-            lambda: Activity(stats.bytes_served, [w.busy_seconds for w in workers]), reader.set_weights
+            lambda: Activity(stats.bytes_served, [w.busy_seconds for w in workers], reader.waiting.seconds()),
+            reader.set_weights,
         )
         reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)

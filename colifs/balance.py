@@ -5,8 +5,8 @@ running on it) and its time **alone**: time in which it alone had reads that an 
 waits for, the other drives none (they sat idle while a reader waited on it). Every TICK the engine
 hands the totals to `Balancer.observe`, which looks at them over WINDOW-second windows:
 
-- readers waited on one drive alone (times alone adding up to WAITED of the window at least; the
-  native engine counts them): the drive alone longest gives a step of share to the one alone
+- readers waited on one drive alone (times alone adding up to WAITED of the window at least; both
+  engines count them): the drive alone longest gives a step of share to the one alone
   least, once they differ by BALANCED_ALONE of the window in two windows in a row;
 - else, unless only time alone moves the split (`by_utilization` off: queue routing, whose spills
   even out backlogs; there readers that wait on no drive in particular have the split right): one

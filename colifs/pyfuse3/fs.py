@@ -67,6 +67,7 @@ class ColiFS(pyfuse3.Operations):
         self.reader = reader
         self._offload = offload  # runs a blocking call (an xattr reads a header) off the request loop
         self._handles: dict[int, OpenFile | bytes] = {}
+        self._direct: set[int] = set()  # handles opened O_DIRECT: their readers wait for each read
         self._next_fh = 1
         self._entries = {
             ino: _entry(ns.attr(ino)) for ino in ns.inodes() if ino not in (STATS_INO, STATS_JSON_INO)
@@ -139,6 +140,8 @@ class ColiFS(pyfuse3.Operations):
         opened = await self.reader.open(f)
         fh = self._new_fh()  # taken after the await: concurrent opens never share a number
         self._handles[fh] = opened
+        if flags & os.O_DIRECT:
+            self._direct.add(fh)
         # keep_cache: the files are immutable, so the page cache stays valid across opens.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
@@ -152,11 +155,12 @@ class ColiFS(pyfuse3.Operations):
         handle = self._handles[fh]
         if isinstance(handle, bytes):  # a control file's snapshot
             return handle[off : off + size]
-        return await self.reader.read(handle, off, size)
+        return await self.reader.read(handle, off, size, fh in self._direct)
 
     @fuse_boundary
     async def release(self, fh: int) -> None:
         handle = self._handles.pop(fh)
+        self._direct.discard(fh)
         if isinstance(handle, OpenFile):
             self.reader.release(handle)
 

@@ -36,7 +36,7 @@ from colifs.health import Health
 from colifs.logs import WarnOnce
 from colifs.mirrors import MirrorPolicy, describe
 from colifs.pyfuse3.buffers import BufferPool
-from colifs.pyfuse3.workers import DriveWorkers, gather
+from colifs.pyfuse3.workers import DriveWorkers, Waiting, gather
 from colifs.readplan import Piece, Router, merge, pieces, usable_weights
 from colifs.recorder import Tally
 from colifs.replicas import Identity, Replica
@@ -164,6 +164,7 @@ class Reader:
         self._went_down = trio.Event()
         self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.workers = workers  # shared with the engine, which closes them
+        self.waiting = Waiting(len(replicas))  # each drive's time alone, for colifs.balance
         self.io = io
         self.stats = stats
         self._open: dict[str, OpenFile] = {}
@@ -220,6 +221,7 @@ class Reader:
     def grow(self, workers: DriveWorkers) -> None:
         """One more mirror while serving (no file has a copy on it yet): its workers."""
         self.workers.append(workers)
+        self.waiting.grow()
         self._epoch.append(0)
         for of in self._open.values():
             of.grow()
@@ -296,11 +298,12 @@ class Reader:
             for extent, nbytes in asked_of.items():
                 self.tally.count(f.layout.keys[extent], nbytes)  # type: ignore[union-attr]
 
-    async def read(self, of: OpenFile, off: int, size: int) -> bytes | memoryview:
+    async def read(self, of: OpenFile, off: int, size: int, direct: bool = False) -> bytes | memoryview:
         """The primary's bytes [off, off+size), short only at the end of the file.
 
         The range is rounded out to BLOCK (O_DIRECT), read into a pooled buffer, and returned as a
-        view of it: no copy, no allocation.
+        view of it: no copy, no allocation. `direct`: an O_DIRECT opener asks, and waits for the
+        answer (a page-cache reader's readahead may not): its reads count towards time alone.
         """
         end = min(off + size, of.file.size)
         if off >= end:
@@ -316,14 +319,15 @@ class Reader:
         runs = snap(merge(plan), stop)
         buf = self.pool.take(stop - start)
         # Not back to the pool on an exception, or when a read given up on still writes into it.
-        valid, view = await self._read_runs(of, runs, memoryview(buf), off, end)
+        waited = direct and bool(of.usable - self._down - {0})
+        valid, view = await self._read_runs(of, runs, memoryview(buf), off, end, waited)
         if view.obj is buf:
             self.pool.lend(buf)
         valid = min(end, valid)
         return view[off - start : valid - start] if valid > off else b""
 
     async def _fetch(
-        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, base: int
+        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, base: int, waited: bool
     ) -> list[outcome.Outcome]:
         """Read each run on its drive, concurrently; per run, the byte count or the error.
 
@@ -348,7 +352,7 @@ class Reader:
                 waiting.append(i)
         results: list[outcome.Outcome] = [outcome.Value(n) for n in got]
         # Their drives now: the caller re-routes failed runs afterwards.
-        outcomes = await self._gather(of, calls, [runs[i][2] for i in waiting]) if calls else []
+        outcomes = await self._gather(of, calls, [runs[i][2] for i in waiting], waited) if calls else []
         for i, result in zip(waiting, outcomes, strict=True):
             if result is None:
                 timeout = self.workers[runs[i][2]].timeout
@@ -359,10 +363,13 @@ class Reader:
                 results[i] = result
         return results
 
-    async def _gather(self, of: OpenFile, calls: list, drives: list[int]) -> list[outcome.Outcome | None]:
+    async def _gather(
+        self, of: OpenFile, calls: list, drives: list[int], waited: bool
+    ) -> list[outcome.Outcome | None]:
         """`gather` the calls (on `drives`). Each mirror read holds the file open until it returns,
         even given up on: a descriptor closed under it could have its number reused by another
-        open before its pread; and its mirror's retired descriptors stay open until then."""
+        open before its pread; and its mirror's retired descriptors stay open until then.
+        `waited`: each read is pending on its drive (time alone) until it settles."""
         mirror_reads = [k for k, d in enumerate(drives) if d != 0]
         for k in mirror_reads:
             of.mirror_read_starts(drives[k])
@@ -370,14 +377,26 @@ class Reader:
         def late(k: int, _result: outcome.Outcome) -> None:  # only mirror reads are ever late
             self._mirror_read_done(of, drives[k])
 
-        outcomes = await gather(calls, late)
+        def settled(k: int) -> None:
+            self.waiting.change(drives[k], -1)
+
+        if waited:
+            for d in drives:
+                self.waiting.change(d, 1)
+        outcomes = await gather(calls, late, settled if waited else None)
         for k in mirror_reads:
             if outcomes[k] is not None:  # in time (a late one lets go when it returns)
                 self._mirror_read_done(of, drives[k])
         return outcomes
 
     async def _read_runs(
-        self, of: OpenFile, runs: list[tuple[int, int, int]], view: memoryview, off: int, end: int
+        self,
+        of: OpenFile,
+        runs: list[tuple[int, int, int]],
+        view: memoryview,
+        off: int,
+        end: int,
+        waited: bool,
     ) -> tuple[int, memoryview]:
         """Read the runs, re-read failed mirror runs from the primary, count what each drive served.
 
@@ -385,7 +404,7 @@ class Reader:
         mirror read was given up on) holds valid bytes.
         """
         base = runs[0][0]
-        results = await self._fetch(of, runs, view, base)
+        results = await self._fetch(of, runs, view, base, waited)
         if any(isinstance(r, outcome.Error) and isinstance(r.error, TimedOut) for r in results):
             view = _salvage(runs, results, view, base)
         redo = [
@@ -394,7 +413,7 @@ class Reader:
             if run[2] != 0 and not self._mirror_delivered(of, run, result, off, end)
         ]
         if redo:
-            again = await self._fetch(of, [(runs[i][0], runs[i][1], 0) for i in redo], view, base)
+            again = await self._fetch(of, [(runs[i][0], runs[i][1], 0) for i in redo], view, base, waited)
             for i, result in zip(redo, again, strict=True):
                 results[i] = result
                 runs[i] = (runs[i][0], runs[i][1], 0)

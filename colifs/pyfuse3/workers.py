@@ -113,12 +113,45 @@ class DriveWorkers:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
+class Waiting:
+    """Each drive's time alone (colifs.balance): seconds in which it alone had reads that an
+    O_DIRECT reader waits for, the other drives none. Counted on the trio thread only: a read
+    counts from its hand-out until its outcome is taken or its reader gives up on it (`gather`)."""
+
+    def __init__(self, drives: int) -> None:
+        self.pending = [0] * drives
+        self._alone = [0.0] * drives
+        self._since = time.monotonic()
+
+    def change(self, drive: int, delta: int) -> None:
+        self._add(time.monotonic())
+        self.pending[drive] += delta
+
+    def _add(self, now: float) -> None:
+        busy = [d for d, n in enumerate(self.pending) if n]
+        if len(busy) == 1:
+            self._alone[busy[0]] += now - self._since
+        self._since = now
+
+    def grow(self) -> None:
+        """One more drive (a mirror added while serving)."""
+        self.pending.append(0)
+        self._alone.append(0.0)
+
+    def seconds(self) -> list[float]:
+        """Per drive, seconds alone since start, up to now."""
+        self._add(time.monotonic())
+        return list(self._alone)
+
+
 def _nobody(_: outcome.Outcome) -> None:
     """Where the outcome of a forgotten call goes."""
 
 
 async def gather(
-    calls: Sequence[Call], on_late: Callable[[int, outcome.Outcome], None] | None = None
+    calls: Sequence[Call],
+    on_late: Callable[[int, outcome.Outcome], None] | None = None,
+    settled: Callable[[int], None] | None = None,
 ) -> list[outcome.Outcome | None]:
     """Run every call on its drive's threads, concurrently; their outcomes, in order.
 
@@ -126,6 +159,8 @@ async def gather(
     `on_late(i, outcome)` gets it when it comes (e.g. to close an fd opened too late). Calls on
     drives without one (the primary) are always waited for. A thread cannot be interrupted: a
     given-up call keeps writing into its arguments, so the caller must not reuse them.
+    `settled(i)`, on the trio thread, once call i holds the caller up no longer: its outcome is
+    taken, or it is given up on.
     """
     task = trio.lowlevel.current_task()
     token = trio.lowlevel.current_trio_token()
@@ -144,6 +179,8 @@ async def gather(
                 on_late(i, result)
             return
         results[i] = result
+        if settled is not None:
+            settled(i)
         left -= 1
         patient -= workers.timeout is None
         if waiting and (left == 0 or (patient == 0 and trio.current_time() >= deadline)):
@@ -172,4 +209,7 @@ async def gather(
     else:
         with trio.move_on_at(deadline):
             await trio.lowlevel.wait_task_rescheduled(abort)
+    if settled is not None:
+        for i in (i for i, r in enumerate(results) if r is None):
+            settled(i)  # given up on: late from now on
     return results

@@ -273,3 +273,59 @@ def test_closing_workers_does_not_wait_forever_for_a_hung_read() -> None:
     workers.close(timeout=0.5)
     assert time.monotonic() - t0 < 2
     release.set()
+
+
+def test_time_alone_counts_what_o_direct_readers_wait_for_on_one_drive(model) -> None:
+    """A hung mirror: an O_DIRECT opener's read waits on the mirror alone (the primary's pieces
+    are read) until its timeout; that time is the mirror's, once, and the late read, when it lands,
+    counts nothing more. A page-cache opener's reads count no time alone."""
+    primary, mirror, _ = model
+    rig = make_ops(primary, mirror, [1, 1], threads_per_drive=4, mirror_timeout=0.3)
+    ops, io, waiting = rig.ops, rig.io, rig.reader.waiting
+    ino, rel = max(shard_inodes(ops).items(), key=lambda x: (primary / x[1]).stat().st_size)
+    want = (primary / rel).read_bytes()
+
+    async def read_span(flags: int) -> None:
+        fi = await ops.open(ino, flags, None)
+        assert bytes(await ops.read(fi.fh, 0, len(want))) == want  # experts on both drives
+        await ops.release(fi.fh)
+
+    async def go() -> None:
+        await read_span(os.O_RDONLY)  # a page-cache reader counts nothing
+        assert waiting.seconds() == [0.0, 0.0] and waiting.pending == [0, 0]
+        assert io.reads[str(mirror)] > 0
+        io.fail(str(mirror), "hang")
+        await read_span(os.O_RDONLY | os.O_DIRECT)
+        alone = waiting.seconds()
+        assert 0.25 < alone[1] < 1.0 and alone[0] < 0.25, alone  # about the timeout, on the mirror
+        assert waiting.pending == [0, 0]  # the read given up on holds nobody up
+        io.fail(str(mirror), None)  # the late reads land now
+        await trio.sleep(0.3)
+        assert waiting.pending == [0, 0] and waiting.seconds()[1] == alone[1]
+
+    run(rig, go)
+
+
+def test_waiting_adds_time_only_to_a_drive_pending_alone(monkeypatch) -> None:
+    from colifs.pyfuse3 import workers as w
+
+    now = [0.0]
+    monkeypatch.setattr(w.time, "monotonic", lambda: now[0])
+    waiting = w.Waiting(3)
+
+    def at(t: float, drive: int, delta: int) -> None:
+        now[0] = t
+        waiting.change(drive, delta)
+
+    at(0.0, 0, 1)  # 0 alone from 0 to 1
+    at(1.0, 1, 1)  # both pending 1..2: nobody alone
+    at(2.0, 0, -1)  # 1 alone 2..5
+    at(5.0, 2, 1)
+    at(5.5, 1, -1)  # 2 alone 5.5..6
+    at(6.0, 2, -1)
+    now[0] = 9.0  # nothing pending since
+    assert waiting.seconds() == [1.0, 3.0, 0.5]
+    waiting.grow()
+    at(10.0, 3, 1)
+    now[0] = 10.25
+    assert waiting.seconds() == [1.0, 3.0, 0.5, 0.25]
