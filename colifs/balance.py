@@ -24,7 +24,10 @@ traffic it could take showed 737 MB/s; a 300 MB/s one read by one reader, 658), 
 trusted only from saturated drives, and its busy time understates how long readers wait for it;
 the time a reader waits on one drive while the others idle is what a better split removes. A
 step that time alone asks for is never more than what would have the waiting reader's pieces end
-together (`evening`), and is judged like any other. After a change the next window starts
+together (`evening`), and is judged like any other (but after readers waited on the drive it
+leaves nearly the whole window: then the slow drive's backlog still drains in the window after,
+and no split is worse). The reason of every change says what moved it (time alone, busy time,
+measured rates, or an undo). After a change the next window starts
 SETTLE s later (requests routed before it drain). Every drive keeps at least FLOOR of the
 weight, so it is still read, still measured, and gets its share back when it recovers. A drive
 that served nothing in a window (down, or no copy) takes no part. Weights only move interval
@@ -69,6 +72,9 @@ BALANCED_ALONE = 0.03  # times alone closer than this (share of the window): pie
 WAITED = 0.05  # time alone (all drives, share of the window) from which it decides the step
 IDLE = 0.25  # a step towards a drive busy less than this is not on trial: it has room, whatever
 # the threads say (the judging window is too noisy then: a slow drive's few reads per window)
+WAITED_ALL = 0.9  # ... nor one that time alone asked for, once readers waited on the other drive
+# alone this much of the window: no split is worse, and the window after a step still drains the
+# slow drive's backlog (a mirror slowed to a crawl: its step would be judged by that, and undone)
 
 
 def evening(late: float, early: float, alone: float) -> float:
@@ -342,22 +348,32 @@ class Balancer:
         before = shares(self.weights)
         if max(abs(a - b) for a, b in zip(target, before, strict=True)) < 1e-3:
             return None
-        towards = None if self._direction is None else self._direction[1]
         by_alone = self._direction is not None and sum(self.alone) >= WAITED
-        # A step towards an idle drive is on trial only when time alone asked for it: then the
-        # window after judges by what the waiting reader got.
-        on_trial = towards is None or by_alone or self.utilization[towards] >= IDLE
         self._trial = (
-            Trial(list(self.weights), w.throughput, self._direction, by_alone=by_alone) if on_trial else None
+            Trial(list(self.weights), w.throughput, self._direction, by_alone=by_alone)
+            if self._on_trial(by_alone)
+            else None
         )
         scale = sum(self.weights)
         self.weights = [t * scale for t in target]
         self._start, self._not_before, self._asked = None, now + SETTLE, None
-        why = "utilization " + ", ".join(f"{100 * u:.0f}%" for u in self.utilization)
+        moved_by = "time alone" if by_alone else "busy time" if self._direction else "measured rates"
+        why = f"{moved_by}: utilization " + ", ".join(f"{100 * u:.0f}%" for u in self.utilization)
         why += "; alone " + ", ".join(f"{100 * a:.0f}%" for a in self.alone)
         why += "; measured MB/s " + ", ".join("?" if r is None else f"{r / 1e6:.1f}" for r in self.rates)
         self._changed(before, target, why)
         return self.weights
+
+    def _on_trial(self, by_alone: bool) -> bool:
+        """Whether the window after the change judges it. A step towards an idle drive is judged
+        only when time alone asked for it (by what the waiting reader got then), and readers did
+        not wait on the drive it leaves nearly all the time."""
+        if self._direction is None:
+            return True
+        source, towards = self._direction
+        if by_alone:
+            return self.alone[source] < WAITED_ALL or self.utilization[towards] >= IDLE
+        return self.utilization[towards] >= IDLE
 
     def grow(self, weight: float) -> None:
         """One more drive (a mirror added while serving), at `weight`; measured from the next window."""

@@ -118,13 +118,14 @@ class Waiting:
     O_DIRECT reader waits for, the other drives none. Counted on the trio thread only: a read
     counts from its hand-out until its outcome is taken or its reader gives up on it (`gather`)."""
 
-    def __init__(self, drives: int) -> None:
+    def __init__(self, drives: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.pending = [0] * drives
         self._alone = [0.0] * drives
-        self._since = time.monotonic()
+        self._clock = clock
+        self._since = clock()
 
     def change(self, drive: int, delta: int) -> None:
-        self._add(time.monotonic())
+        self._add(self._clock())
         self.pending[drive] += delta
 
     def _add(self, now: float) -> None:
@@ -140,7 +141,7 @@ class Waiting:
 
     def seconds(self) -> list[float]:
         """Per drive, seconds alone since start, up to now."""
-        self._add(time.monotonic())
+        self._add(self._clock())
         return list(self._alone)
 
 
@@ -170,6 +171,7 @@ async def gather(
     timeouts = [w.timeout for w, _, _ in calls if w.timeout is not None]
     deadline = trio.current_time() + min(timeouts) if timeouts else math.inf
     waiting = True
+    cancelled = False  # a cancellation (shutdown) came while patient calls ran: mirrors are not waited for
 
     def done(i: int, workers: DriveWorkers, result: outcome.Outcome) -> None:  # on the trio thread
         nonlocal left, patient, waiting
@@ -183,15 +185,18 @@ async def gather(
             settled(i)
         left -= 1
         patient -= workers.timeout is None
-        if waiting and (left == 0 or (patient == 0 and trio.current_time() >= deadline)):
+        if waiting and (left == 0 or (patient == 0 and (cancelled or trio.current_time() >= deadline))):
             waiting = False
             trio.lowlevel.reschedule(task)
 
     def abort(_: object) -> trio.lowlevel.Abort:
-        # Only the deadline may end the wait early, and only once nothing patient is left; any
-        # other cancellation (shutdown) waits for the reads, which write into the caller's buffers.
-        nonlocal waiting
-        if trio.current_time() < deadline or patient > 0:
+        # The deadline, or a cancellation (shutdown), ends the wait once nothing patient is left:
+        # the primary's reads are waited for (there is nowhere else to read from), a mirror's are
+        # given up on (trio asks only once: a cancellation before the deadline must not leave the
+        # wait to a hung mirror's read).
+        nonlocal waiting, cancelled
+        if patient > 0:
+            cancelled = True
             return trio.lowlevel.Abort.FAILED
         waiting = False
         return trio.lowlevel.Abort.SUCCEEDED
@@ -204,12 +209,15 @@ async def gather(
                 token.run_sync_soon(done, i, workers, result)
 
         workers.submit(fn, args, deliver)
-    if deadline == math.inf:
-        await trio.lowlevel.wait_task_rescheduled(abort)
-    else:
-        with trio.move_on_at(deadline):
+    try:
+        if deadline == math.inf:
             await trio.lowlevel.wait_task_rescheduled(abort)
-    if settled is not None:
-        for i in (i for i, r in enumerate(results) if r is None):
-            settled(i)  # given up on: late from now on
+        else:
+            with trio.move_on_at(deadline):
+                await trio.lowlevel.wait_task_rescheduled(abort)
+    finally:
+        waiting = False  # also when cancelled: what comes now is late
+        if settled is not None:
+            for i in (i for i, r in enumerate(results) if r is None):
+                settled(i)  # given up on
     return results

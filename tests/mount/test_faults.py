@@ -552,12 +552,13 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, 
     with through_faultfs(tmp_path) as (primary, mnt, control):
         assert stats(mnt)["balance"]["adaptive"] and stats(mnt)["replicas"][1]["weight_share"] == 0.5
         control.write_text("slow 4")
-        t0, shares, alone = time.monotonic(), [], 0.0
+        t0, shares, alone, whys = time.monotonic(), [], 0.0, set()
         while time.monotonic() - t0 < 30:
             read_all(mnt, primary)  # the right bytes, every one, through every change
             balance = stats(mnt)["balance"]
             shares.append(balance["shares"][1])
             alone = max(alone, balance["alone"][1])
+            whys.add(balance["last_change"]["why"].split(":")[0])
             if balance["shares"][1] < 0.1:
                 break
         took = time.monotonic() - t0
@@ -568,9 +569,9 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, 
             after["balance"]["utilization"],
         )
         assert after["balance"]["changes"] >= 1
-        assert after["balance"]["last_change"]["why"].startswith("utilization")
-        assert "alone" in after["balance"]["last_change"]["why"] and len(after["balance"]["alone"]) == 2
+        assert len(after["balance"]["alone"]) == 2
         assert alone > 0.05, shares  # the reader waited on the slowed mirror alone
+        assert "time alone" in whys, whys  # and that moved the split
         assert after["replicas"][1]["measured_mb_per_s"] < 20 < after["replicas"][0]["measured_mb_per_s"]
         assert after["replicas"][1]["weight_share"] == after["balance"]["shares"][1]
         assert after["fallbacks"] == 0  # slow is not failed: nothing was re-read

@@ -20,7 +20,7 @@ from colifs.assemble import Assembly
 from colifs.health import FAILURES_TO_DOWN
 from colifs.pyfuse3.fs import ColiFS
 from colifs.pyfuse3.reader import Reader
-from colifs.pyfuse3.workers import DriveWorkers
+from colifs.pyfuse3.workers import DriveWorkers, Waiting, gather
 from colifs.stats import Stats
 from tests.fakeio import FaultyIO
 from tests.helpers import assembled, ops_of, run_ops
@@ -300,18 +300,17 @@ def test_time_alone_counts_what_o_direct_readers_wait_for_on_one_drive(model) ->
         assert 0.25 < alone[1] < 1.0 and alone[0] < 0.25, alone  # about the timeout, on the mirror
         assert waiting.pending == [0, 0]  # the read given up on holds nobody up
         io.fail(str(mirror), None)  # the late reads land now
-        await trio.sleep(0.3)
+        with trio.fail_after(5):
+            while rig.reader.workers[1].busy:
+                await trio.sleep(0.01)
         assert waiting.pending == [0, 0] and waiting.seconds()[1] == alone[1]
 
     run(rig, go)
 
 
-def test_waiting_adds_time_only_to_a_drive_pending_alone(monkeypatch) -> None:
-    from colifs.pyfuse3 import workers as w
-
+def test_waiting_adds_time_only_to_a_drive_pending_alone() -> None:
     now = [0.0]
-    monkeypatch.setattr(w.time, "monotonic", lambda: now[0])
-    waiting = w.Waiting(3)
+    waiting = Waiting(3, clock=lambda: now[0])
 
     def at(t: float, drive: int, delta: int) -> None:
         now[0] = t
@@ -329,3 +328,29 @@ def test_waiting_adds_time_only_to_a_drive_pending_alone(monkeypatch) -> None:
     at(10.0, 3, 1)
     now[0] = 10.25
     assert waiting.seconds() == [1.0, 3.0, 0.5, 0.25]
+
+
+def test_a_cancellation_waits_for_the_primary_not_for_a_hung_mirror() -> None:
+    """Shutdown cancels a request whose mirror read hangs (its timeout far off): the request ends
+    once the primary's read is done, not when the mirror answers (trio asks the wait only once);
+    both reads are settled, and the mirror's late answer goes to on_late."""
+    import time
+
+    release = threading.Event()
+    primary, mirror = DriveWorkers("primary", 1), DriveWorkers("mirror", 1, timeout=30)
+    settled, late = [], []
+
+    async def go() -> float:
+        t0 = time.monotonic()
+        with trio.move_on_after(0.1):
+            calls = [(primary, time.sleep, (0.3,)), (mirror, release.wait, ())]
+            await gather(calls, lambda i, _: late.append(i), settled.append)
+        return time.monotonic() - t0
+
+    threading.Timer(3.0, release.set).start()
+    took = trio.run(go)
+    assert 0.25 < took < 2.0, took  # the primary's 0.3 s, not the mirror's 3 s
+    assert sorted(settled) == [0, 1]
+    release.set()
+    primary.close()
+    mirror.close()
