@@ -371,9 +371,7 @@ class Balancer:
         if self._direction is None:
             return True
         source, towards = self._direction
-        if by_alone:
-            return self.alone[source] < WAITED_ALL or self.utilization[towards] >= IDLE
-        return self.utilization[towards] >= IDLE
+        return (by_alone and self.alone[source] < WAITED_ALL) or self.utilization[towards] >= IDLE
 
     def grow(self, weight: float) -> None:
         """One more drive (a mirror added while serving), at `weight`; measured from the next window."""

@@ -171,7 +171,7 @@ async def gather(
     timeouts = [w.timeout for w, _, _ in calls if w.timeout is not None]
     deadline = trio.current_time() + min(timeouts) if timeouts else math.inf
     waiting = True
-    cancelled = False  # a cancellation (shutdown) came while patient calls ran: mirrors are not waited for
+    cancelled = False  # the deadline or a shutdown came while patient calls ran: only those are waited for
 
     def done(i: int, workers: DriveWorkers, result: outcome.Outcome) -> None:  # on the trio thread
         nonlocal left, patient, waiting
@@ -185,7 +185,7 @@ async def gather(
             settled(i)
         left -= 1
         patient -= workers.timeout is None
-        if waiting and (left == 0 or (patient == 0 and (cancelled or trio.current_time() >= deadline))):
+        if waiting and (left == 0 or (patient == 0 and cancelled)):
             waiting = False
             trio.lowlevel.reschedule(task)
 
