@@ -24,10 +24,11 @@ traffic it could take showed 737 MB/s; a 300 MB/s one read by one reader, 658), 
 trusted only from saturated drives, and its busy time understates how long readers wait for it;
 the time a reader waits on one drive while the others idle is what a better split removes. A
 step that time alone asks for is never more than what would have the waiting reader's pieces end
-together (`evening`), and is judged like any other (but after readers waited on the drive it
-leaves nearly the whole window: then the slow drive's backlog still drains in the window after,
-and no split is worse). The reason of every change says what moved it (time alone, busy time,
-measured rates, or an undo). After a change the next window starts
+together (`evening`), and is judged like any other once it went too far: a step after which
+readers still wait on the drive it left, more than on the other, did not overshoot (the window
+after it still drains that drive's backlog, routed before the step: a mirror slowed to a crawl
+moves less for a while, whatever the split), and is kept. The reason of every change says what
+moved it (time alone, busy time, measured rates, or an undo). After a change the next window starts
 SETTLE s later (requests routed before it drain). Every drive keeps at least FLOOR of the
 weight, so it is still read, still measured, and gets its share back when it recovers. A drive
 that served nothing in a window (down, or no copy) takes no part. Weights only move interval
@@ -72,9 +73,6 @@ BALANCED_ALONE = 0.03  # times alone closer than this (share of the window): pie
 WAITED = 0.05  # time alone (all drives, share of the window) from which it decides the step
 IDLE = 0.25  # a step towards a drive busy less than this is not on trial: it has room, whatever
 # the threads say (the judging window is too noisy then: a slow drive's few reads per window)
-WAITED_ALL = 0.9  # ... nor one that time alone asked for, once readers waited on the other drive
-# alone this much of the window: no split is worse, and the window after a step still drains the
-# slow drive's backlog (a mirror slowed to a crawl: its step would be judged by that, and undone)
 
 
 def evening(late: float, early: float, alone: float) -> float:
@@ -240,8 +238,7 @@ class Balancer:
         if trial is not None and trial.undo and w.throughput < 0.5 * trial.before_step:
             self._held.pop(trial.direction, None)  # type: ignore[arg-type]
             return None  # less than half of before the step, either way: the drives changed
-        tolerance = TOLERANCE_ALONE if trial is not None and trial.by_alone else TOLERANCE
-        if trial is None or w.throughput >= (1 - tolerance) * trial.throughput:
+        if trial is None or self._stands(trial, w):
             return None
         if trial.undo:
             self._held.pop(trial.direction, None)  # type: ignore[arg-type]
@@ -259,6 +256,20 @@ class Balancer:
         self._changed(before, shares(self.weights), f"{what}: {w.throughput / 1e6:.0f} MB/s after it, "
                       f"{trial.throughput / 1e6:.0f} before")  # fmt: skip
         return self.weights
+
+    def _stands(self, trial: Trial, w: Window) -> bool:
+        """Whether a change stands: the mount moves about as much as before it, or, for a step
+        time alone asked for, readers still wait on the drive it left more than on the other (it
+        did not go too far, whatever the mount moved meanwhile: the drain of that drive's backlog,
+        or a reader's pause; undoing it would only lose time)."""
+        if not trial.by_alone:
+            return w.throughput >= (1 - TOLERANCE) * trial.throughput
+        if w.throughput >= (1 - TOLERANCE_ALONE) * trial.throughput:
+            return True
+        if trial.undo or trial.direction is None:
+            return False
+        source, towards = trial.direction
+        return self.alone[source] - self.alone[towards] > BALANCED_ALONE
 
     def _measured(self, w: Window, now: float) -> None:
         """Each drive's rate, smoothed. A drive busy less than MIN_BUSY in a window (a fast drive
@@ -366,12 +377,8 @@ class Balancer:
 
     def _on_trial(self, by_alone: bool) -> bool:
         """Whether the window after the change judges it. A step towards an idle drive is judged
-        only when time alone asked for it (by what the waiting reader got then), and readers did
-        not wait on the drive it leaves nearly all the time."""
-        if self._direction is None:
-            return True
-        source, towards = self._direction
-        return (by_alone and self.alone[source] < WAITED_ALL) or self.utilization[towards] >= IDLE
+        only when time alone asked for it (by what the waiting reader got then)."""
+        return self._direction is None or by_alone or self.utilization[self._direction[1]] >= IDLE
 
     def grow(self, weight: float) -> None:
         """One more drive (a mirror added while serving), at `weight`; measured from the next window."""
