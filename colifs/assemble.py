@@ -83,6 +83,13 @@ class _Routing:
     partial: dict | None
     by_set: dict[tuple[int, ...], float] | None  # traffic per set of copies, when mirrors are partial
 
+    def probed_mb_per_s(self) -> float | None:
+        """The drives' MB/s added, when the probe measured every one (copies on one drive share
+        their drive's figure: it counts once)."""
+        if not self.probe or not all(p["mb_per_s"] for p in self.probe):
+            return None
+        return sum(r.weight for r in self.replicas)
+
     def held(self, weights: list[float]) -> list[float]:
         """Plain weights -> the weights for the files the mirrors hold (partial mirrors get more)."""
         return weights if self.by_set is None else partial_weights(weights, self.by_set)[0]
@@ -131,6 +138,9 @@ def assemble(
     balancer = Balancer(
         [r.weight for r in routing.replicas], fixed=not adaptive, by_utilization=cfg.routing != "queue"
     )
+    cfg = replace(cfg, knobs=cfg.knobs.for_drives(routing.probed_mb_per_s()))
+    if cfg.knobs.by_speed:
+        log.info("readahead %d KiB: %s", cfg.knobs.read_ahead_kb, cfg.knobs.why)
     parts = _Parts(
         cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings(),
         history, Reloads(),

@@ -228,7 +228,8 @@ class Balancer:
 
     def _judge_trial(self, w: Window, now: float) -> list[float] | None:
         """The first window after a change judges it: a step after which the mount moves less than
-        before is undone (the signals misled: drives differ in more than their speed) and its
+        before, and that did not stop short of the split (`_stands`), is undone (the signals
+        misled: drives differ in more than their speed) and its
         direction left alone for HOLD s (one that time alone asked for: tried again by half); an
         undo after which the mount moves less still is undone in turn (the drives changed
         meanwhile: the step was right). Returns the weights when it changes them."""
@@ -259,17 +260,17 @@ class Balancer:
 
     def _stands(self, trial: Trial, w: Window) -> bool:
         """Whether a change stands: the mount moves about as much as before it, or, for a step
-        time alone asked for, readers still wait on the drive it left more than on the other (it
-        did not go too far, whatever the mount moved meanwhile: the drain of that drive's backlog,
-        or a reader's pause; undoing it would only lose time)."""
-        if not trial.by_alone:
-            return w.throughput >= (1 - TOLERANCE) * trial.throughput
-        if w.throughput >= (1 - TOLERANCE_ALONE) * trial.throughput:
+        time alone asked for, readers still wait on the drive it left (WAITED of the window at
+        least), more than on the other: it did not go too far, whatever the mount moved meanwhile
+        (the drain of that drive's backlog), and undoing it would only lose time. Undo trials are
+        never time alone's."""
+        tolerance = TOLERANCE_ALONE if trial.by_alone else TOLERANCE
+        if w.throughput >= (1 - tolerance) * trial.throughput:
             return True
-        if trial.undo or trial.direction is None:
+        if not trial.by_alone or trial.direction is None:
             return False
         source, towards = trial.direction
-        return self.alone[source] - self.alone[towards] > BALANCED_ALONE
+        return self.alone[source] >= WAITED and self.alone[source] - self.alone[towards] > BALANCED_ALONE
 
     def _measured(self, w: Window, now: float) -> None:
         """Each drive's rate, smoothed. A drive busy less than MIN_BUSY in a window (a fast drive

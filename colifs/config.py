@@ -106,6 +106,8 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         knobs=Knobs(
             DEFAULT_READ_AHEAD_KB[args.engine] if args.readahead_kb is None else args.readahead_kb,
             DEFAULT_MAX_BACKGROUND if args.max_background is None else args.max_background,
+            by_speed=args.readahead_kb is None and args.engine == "native",
+            why="the default" if args.readahead_kb is None else "given",
         ),
         allow_other=args.allow_other,
         mirror_timeout=args.mirror_timeout or None,

@@ -4,6 +4,13 @@ Buffered and mmap reads reach a FUSE daemon as 128 KiB requests, 2 in flight, wi
 readahead: too few to keep two drives busy. A larger `read_ahead_kb` on the mount's bdi makes the
 kernel send 1 MiB requests, more of them in flight, bounded by the connection's `max_background`.
 Both live in sysfs and need root; without it the defaults stay and this says so once.
+
+The readahead also decides how much an mmap fault reads around itself (llama.cpp advises its file
+sequential, which doubles it): on slow drives a small one wins (less read that is not used, the
+fault's read done sooner), on fast ones the daemon's CPU per request decides and a larger one wins.
+The daemon's CPU grows with the bytes it serves, all drives added: unless given, the native
+engine's mount takes a smaller readahead when its probe measured the drives slow together (BY_SPEED;
+docs/benchmarks.md runs 68c-68i); unprobed (weights given) it keeps its default.
 """
 
 from __future__ import annotations
@@ -13,17 +20,37 @@ import os
 import re
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 log = logging.getLogger("colifs")
 
 CONNECTIONS = "/sys/fs/fuse/connections"
 
 
-@dataclass
+# (the drives' probed MB/s added, below which: readahead KiB). llama.cpp's mmap decode against the
+# fast drive read directly, 128 / 64 / 32 KiB: 150 + 50 0.92 / 1.14 / 1.25, 300 + 100 0.96 / 1.19 /
+# 1.21, 600 + 200 1.01 / 1.18 / 1.11, 900 + 300 1.10 / 1.09 / 0.92 (the daemon's CPU decides there).
+BY_SPEED = ((600.0, 32), (1000.0, 64))
+
+
+@dataclass(frozen=True)
 class Knobs:
     read_ahead_kb: int  # 0: leave the kernel's default
     max_background: int  # 0: leave the kernel's default; congestion_threshold follows at 3/4
+    by_speed: bool = False  # the readahead is the default: slow drives (probed) change it
+    why: str = "the default"  # what chose the readahead (stats.json kernel.read_ahead_chosen)
+
+    def for_drives(self, mb_per_s: float | None) -> Knobs:
+        """These knobs for drives that read `mb_per_s` together (None or 0: not measured)."""
+        if not self.by_speed:
+            return self
+        if not mb_per_s:
+            return replace(self, why="the default (the drives' speed is not known)")
+        for below, kb in BY_SPEED:
+            if mb_per_s < below:
+                why = f"the drives probed at {mb_per_s:.4g} MB/s together, below {below:.0f}"
+                return replace(self, read_ahead_kb=kb, why=why)
+        return replace(self, why=f"the default (the drives probed at {mb_per_s:.0f} MB/s together)")
 
 
 @dataclass(frozen=True)
@@ -154,6 +181,12 @@ class Tuning:
         self._applied = tune(mountpoint, self.knobs)
         return dict(self._applied)
 
-    def applied(self) -> dict[str, int | None]:
-        """Readahead and FUSE queue as read back from sysfs ({} until applied)."""
-        return dict(self._applied)
+    def applied(self) -> dict[str, int | str | None]:
+        """Readahead and FUSE queue as read back from sysfs ({} until applied), and what chose the
+        readahead."""
+        if not self._applied:
+            return {}
+        why, wanted = self.knobs.why, self.knobs.read_ahead_kb
+        if wanted and self._applied["read_ahead_kb"] != wanted:
+            why += f" ({wanted} KiB not applied)"
+        return {**self._applied, "read_ahead_chosen": why}

@@ -47,8 +47,10 @@ def faulty_mirror(source: Path, mnt: Path, control: Path) -> Iterator[subprocess
 
 @contextmanager
 def colifs_on(primary: Path, mirror: Path, mnt: Path, *extra: str) -> Iterator[Path]:
+    """Mounted with weights 1,1, unless `extra` asks for a probe."""
     mnt.mkdir()
-    out = run_colifs("mount", str(primary), str(mirror), str(mnt), "--weights", "1,1", *extra)
+    weights = [] if any(x.startswith("--probe") for x in extra) else ["--weights", "1,1"]
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt), *weights, *extra)
     assert out.returncode == 0, out.stderr
     try:
         yield mnt
@@ -542,6 +544,33 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
         assert any("primary read error" in w for w in st["recent_warnings"])
         control.write_text("ok")
         read_all(mnt, primary)  # still mounted, still right
+
+
+def test_slow_drives_probed_at_mount_get_the_small_readahead(tmp_path: Path, engine: str) -> None:
+    """Without weights the mount probes the drives: the native engine's readahead is 32 KiB when they
+    read below 600 MB/s together (llama.cpp's mmap decode on slow drives), and stats.json says why.
+    A readahead given stays; the pyfuse3 engine keeps its own default."""
+    source, copy = setup_model(tmp_path)
+    slow = [tmp_path / "slow-primary", tmp_path / "slow-mirror"]
+    controls = [tmp_path / "control-primary", tmp_path / "control-mirror"]
+    with faulty_mirror(source, slow[0], controls[0]), faulty_mirror(copy, slow[1], controls[1]):
+        for control, mb in zip(controls, (60, 20), strict=True):
+            control.write_text(f"slow {mb}")
+        for flags, want in (([], 32 if engine == "native" else 512), (["--readahead-kb", "128"], 128)):
+            with colifs_on(*slow, tmp_path / "mnt", "--probe-seconds", "0.5", *flags) as mnt:
+                st = stats(mnt)
+                together = sum(r["weight"] for r in st["replicas"])
+                assert st["weights_source"] == "probed" and together < 200, st["probe"]
+                chosen = st["kernel"]["read_ahead_chosen"]
+                if flags:
+                    assert chosen == "given"
+                elif engine == "native":
+                    assert chosen == f"the drives probed at {together:.4g} MB/s together, below 600", chosen
+                else:
+                    assert chosen == "the default"
+                if os.geteuid() == 0:  # the readahead is a sysfs knob
+                    assert st["kernel"]["read_ahead_kb"] == want, st["kernel"]
+            mnt.rmdir()
 
 
 def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, engine: str) -> None:

@@ -71,6 +71,7 @@ def test_kernel_knobs_are_set_and_reported(model) -> None:
             "read_ahead_kb": 1024,
             "max_background": 32,
             "congestion_threshold": 24,
+            "read_ahead_chosen": "given",
         }
     with mounted(primary, [mirror], mnt, "--no-probe", "--readahead-kb", "0", "--max-background", "0") as m:
         kernel = m.stats()["kernel"]
