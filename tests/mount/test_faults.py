@@ -46,11 +46,13 @@ def faulty_mirror(source: Path, mnt: Path, control: Path) -> Iterator[subprocess
 
 
 @contextmanager
-def colifs_on(primary: Path, mirror: Path, mnt: Path, *extra: str) -> Iterator[Path]:
-    """Mounted with weights 1,1, unless `extra` asks for a probe."""
+def colifs_on(
+    primary: Path, mirror: Path, mnt: Path, *extra: str, weights: str | None = "1,1"
+) -> Iterator[Path]:
+    """Mounted with `weights` (None: none given, the mount probes the drives)."""
     mnt.mkdir()
-    weights = [] if any(x.startswith("--probe") for x in extra) else ["--weights", "1,1"]
-    out = run_colifs("mount", str(primary), str(mirror), str(mnt), *weights, *extra)
+    given = [] if weights is None else ["--weights", weights]
+    out = run_colifs("mount", str(primary), str(mirror), str(mnt), *given, *extra)
     assert out.returncode == 0, out.stderr
     try:
         yield mnt
@@ -557,7 +559,7 @@ def test_slow_drives_probed_at_mount_get_the_small_readahead(tmp_path: Path, eng
         for control, mb in zip(controls, (60, 20), strict=True):
             control.write_text(f"slow {mb}")
         for flags, want in (([], 32 if engine == "native" else 512), (["--readahead-kb", "128"], 128)):
-            with colifs_on(*slow, tmp_path / "mnt", "--probe-seconds", "0.5", *flags) as mnt:
+            with colifs_on(*slow, tmp_path / "mnt", "--probe-seconds", "0.5", *flags, weights=None) as mnt:
                 st = stats(mnt)
                 together = sum(r["weight"] for r in st["replicas"])
                 assert st["weights_source"] == "probed" and together < 200, st["probe"]
