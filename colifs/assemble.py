@@ -143,7 +143,7 @@ def assemble(
         log.info("readahead %d KiB: %s", cfg.knobs.read_ahead_kb, cfg.knobs.why)
     parts = _Parts(
         cfg, mnt, tree, files, routing, info, health, router, balancer, warnings or RecentWarnings(),
-        history, Reloads(),
+        history, Reloads(), groups,
     )  # fmt: skip
     if cfg.engine == "native":
         return parts.native(usage_path, saving, history.runs)
@@ -205,6 +205,7 @@ class _Parts:
     warnings: RecentWarnings
     history: Usage  # the usage history read at mount: the partial-mirror weights' traffic
     reloads: Reloads
+    groups: list[list[int]]  # replicas whose copies share a drive (colifs.devices)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -244,9 +245,17 @@ class _Parts:
         self,
         activity: Callable[[], tuple],
         apply: Callable[[list[float]], None],
-        measured: Callable[[list[float | None]], None] | None = None,
+        tuning: Tuning,
+        speeds: Callable[[list[float | None]], None] | None = None,
     ) -> Adaptive:
-        return Adaptive(self.balancer, activity, self.routing.held, apply, measured)
+        """`speeds`: gets the drives' measured rates. The readahead follows the drives' saturated
+        speed, unless copies share a drive (each would count that drive's speed)."""
+        listeners: list[Callable[[Balancer], None]] = []
+        if speeds is not None:
+            listeners.append(lambda b: speeds(list(b.rates)))
+        if not self.groups:
+            listeners.append(lambda b: tuning.follow(b.capacity_mb_per_s()))
+        return Adaptive(self.balancer, activity, self.routing.held, apply, listeners)
 
     def _stats(
         self,
@@ -284,6 +293,7 @@ class _Parts:
         adaptive = self._adaptive(
             lambda: Activity(stats.bytes_served, [w.busy_seconds for w in workers], reader.waiting.seconds()),
             reader.set_weights,
+            tuning,
         )
         reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
@@ -315,7 +325,7 @@ class _Parts:
             queue_routing=cfg.routing == "queue",
         )
         speeds = engine.set_speeds if cfg.routing == "queue" else None  # only queue routing uses them
-        adaptive = self._adaptive(counters.activity, engine.set_weights, speeds)
+        adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, speeds)
         reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
 

@@ -58,6 +58,7 @@ STEP, STEP_MIN, STEP_MAX = 0.10, 0.01, 0.15  # share moved per decision while ut
 HALF_LIFE = 2.0  # s: the smoothing of the rates shown
 MIN_BUSY = 0.02  # s a drive must have been busy in a window for its rate to count
 PENDING = 5.0  # s over which a barely busy drive's bytes and busy time add up, at most
+CAPACITY_KEEP = 0.5  # of a drive's capacity kept per saturated window (the rest: the window's rate)
 FLOOR = 1 / 64  # the least share any drive keeps: one slot of a stripe sequence (colifs.routing)
 DEADBAND = 0.02  # with every drive saturated, shares this close to the rates' are left alone
 LOGGED = 0.10  # a change of a share by this much (relative) is logged
@@ -171,6 +172,8 @@ class Balancer:
     fixed: bool = False  # --fixed-weights, or copies on one drive: the drives are measured and shown
     by_utilization: bool = True  # off: only time alone moves the split (and saturated drives' rates)
     rates: list[float | None] = field(default_factory=list)  # bytes per busy second, smoothed
+    # The same, from the windows in which the drive was saturated only: what it can deliver.
+    capacity: list[float | None] = field(default_factory=list)
     utilization: list[float] = field(default_factory=list)  # of the last window
     alone: list[float] = field(default_factory=list)  # of the last window, share of it
     changes: int = 0
@@ -189,6 +192,7 @@ class Balancer:
 
     def __post_init__(self) -> None:
         self.rates = [None] * len(self.weights)
+        self.capacity = [None] * len(self.weights)
         self._pending = [(0, 0.0, 0.0)] * len(self.weights)
         self.utilization = [0.0] * len(self.weights)
         self.alone = [0.0] * len(self.weights)
@@ -279,6 +283,7 @@ class Balancer:
         not count."""
         self.utilization = w.utilization
         self.alone = [0.0] * len(self.rates) if w.alone is None else [a / w.seconds for a in w.alone]
+        self._saturated(w)
         for d in range(len(self.rates)):
             if not w.nbytes[d]:
                 continue
@@ -293,6 +298,24 @@ class Balancer:
             keep = 0.5 ** ((now - since) / HALF_LIFE)
             old = self.rates[d]
             self.rates[d] = nbytes / busy if old is None else keep * old + (1 - keep) * nbytes / busy
+
+    def _saturated(self, w: Window) -> None:
+        """Each drive's capacity: its rate in windows where it was SATURATED, smoothed over
+        CAPACITY_KEEP of the old figure per window (the rates of a drive not kept busy run high)."""
+        for d, u in enumerate(w.utilization):
+            rate = w.rate(d)
+            if u < SATURATED or rate is None:
+                continue
+            old = self.capacity[d]
+            self.capacity[d] = rate if old is None else CAPACITY_KEEP * old + (1 - CAPACITY_KEEP) * rate
+
+    def capacity_mb_per_s(self) -> float | None:
+        """What the drives deliver together (MB/s), once every one serving was measured saturated."""
+        serving = zip(self.capacity, self.rates, self.weights, strict=True)
+        known = [c for c, r, w in serving if r is not None and w > 0]
+        if not known or None in known:
+            return None
+        return sum(known) / 1e6  # type: ignore[arg-type]
 
     def _target(self, w: Window, now: float) -> list[float] | None:
         """The shares the window asks for, or None (nothing to learn, or right as they are)."""
@@ -386,6 +409,7 @@ class Balancer:
         before = shares(self.weights)
         self.weights.append(weight)
         self.rates.append(None)
+        self.capacity.append(None)
         self.utilization.append(0.0)
         self.alone.append(0.0)
         self._pending.append((0, 0.0, 0.0))
@@ -422,6 +446,7 @@ class Balancer:
             "weights": [round(w, 3) for w in self.weights],
             "shares": [round(s, 4) for s in shares(self.weights)],
             "measured_mb_per_s": [None if r is None else round(r / 1e6, 1) for r in self.rates],
+            "saturated_mb_per_s": [None if r is None else round(r / 1e6, 1) for r in self.capacity],
             "utilization": [round(u, 3) for u in self.utilization],
             "alone": [round(a, 3) for a in self.alone],
             "changes": self.changes,
@@ -432,8 +457,8 @@ class Balancer:
 class Adaptive:
     """Runs a `Balancer` for a mount: reads the engine's counters every TICK and, when the weights
     change, gives the routing its new weights (`apply`, with the partial-mirror correction done by
-    `held`); `measured`, if given, gets each drive's measured rate every tick (the native engine's
-    queue routing compares backlogs by them)."""
+    `held`); each of `listeners` gets the balancer after every look (the native engine's queue
+    routing compares backlogs by the measured rates, the readahead follows the drives' speed)."""
 
     def __init__(
         self,
@@ -441,20 +466,20 @@ class Adaptive:
         activity: Callable[[], Activity],
         held: Callable[[list[float]], list[float]],
         apply: Callable[[list[float]], None],
-        measured: Callable[[list[float | None]], None] | None = None,
+        listeners: Sequence[Callable[[Balancer], None]] = (),
     ) -> None:
         self.balancer = balancer
         self._activity = activity
         self._held = held
         self._apply = apply
-        self._measured = measured
+        self._listeners = listeners
 
     def tick(self, now: float) -> None:
         weights = self.balancer.observe(self._activity(), now)
         if weights is not None:
             self._apply(self._held(weights))
-        if self._measured is not None:
-            self._measured(list(self.balancer.rates))
+        for listener in self._listeners:
+            listener(self.balancer)
 
     async def run(self) -> None:
         """For the life of the mount."""

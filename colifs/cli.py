@@ -69,9 +69,9 @@ def parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="KB",
-        help="readahead of the mount (root only; default: 128 with the native engine, or 32 / 64 when its "
-        "probe measured the drives below 600 / 1000 MB/s together; 512 with pyfuse3; 0 = the kernel's "
-        "default); "
+        help="readahead of the mount (root only; default: 128 with the native engine, or 32 / 64 when the "
+        "drives read below 600 / 1000 MB/s together, probed at mount or measured while serving (then for "
+        "files opened later); 512 with pyfuse3; 0 = the kernel's default); "
         "larger sends bigger requests to the daemon, but over-reads on random small mmap touches",
     )
     m.add_argument(

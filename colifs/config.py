@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from colifs.errors import UsageError
-from colifs.kernel import Knobs
+from colifs.kernel import DEFAULT_KB, Knobs
 from colifs.routing import parse_weights
 
 WEIGHTS_ENV = "COLI_DISK_WEIGHTS"
@@ -18,7 +18,7 @@ ENGINES = ("native", "pyfuse3")
 # Chosen by the benchmarks in docs/benchmarks.md (buffered and mmap readers, one and many, slow and
 # fast drives): the native engine's requests are cheap, so the kernel's readahead reads little past
 # an expert's end; a pyfuse3 request costs ~20 µs of Python, so there fewer, bigger ones win.
-DEFAULT_READ_AHEAD_KB = {"native": 128, "pyfuse3": 512}
+DEFAULT_READ_AHEAD_KB = {"native": DEFAULT_KB, "pyfuse3": 512}
 DEFAULT_MAX_BACKGROUND = 256
 # A drive's backlog spills to the drive with room (native/drives.c quickest): the sum of the drives
 # when one slows down or the weights are wrong, as fixed stripes with the right weights

@@ -10,7 +10,8 @@ sequential, which doubles it): on slow drives a small one wins (less read that i
 fault's read done sooner), on fast ones the daemon's CPU per request decides and a larger one wins.
 The daemon's CPU grows with the bytes it serves, all drives added: unless given, the native
 engine's mount takes a smaller readahead when its probe measured the drives slow together (BY_SPEED;
-docs/benchmarks.md runs 68c-68i); unprobed (weights given) it keeps its default.
+docs/benchmarks.md runs 68c-68i). Unprobed (weights given) it starts at its default; while serving,
+the speed the drives deliver saturated moves it for the files opened from then on (`Tuning.follow`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import logging
 import os
 import re
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -31,6 +33,11 @@ CONNECTIONS = "/sys/fs/fuse/connections"
 # fast drive read directly, 128 / 64 / 32 KiB: 150 + 50 0.92 / 1.14 / 1.25, 300 + 100 0.96 / 1.19 /
 # 1.21, 600 + 200 1.01 / 1.18 / 1.11, 900 + 300 1.10 / 1.09 / 0.92 (the daemon's CPU decides there).
 BY_SPEED = ((600.0, 32), (1000.0, 64))
+DEFAULT_KB = 128  # the native engine's readahead above them (and when their speed is not known)
+# While serving: the speed the drives deliver saturated moves the readahead of later opens once it
+# is MARGIN past a threshold, for HOLD looks in a row (an open file keeps the one it was opened with).
+MARGIN = 0.10
+HOLD = 8
 
 
 @dataclass(frozen=True)
@@ -40,17 +47,19 @@ class Knobs:
     by_speed: bool = False  # the readahead is the default: slow drives (probed) change it
     why: str = "the default"  # what chose the readahead (stats.json kernel.read_ahead_chosen)
 
-    def for_drives(self, mb_per_s: float | None) -> Knobs:
-        """These knobs for drives that read `mb_per_s` together (None or 0: not measured)."""
+    def for_drives(self, mb_per_s: float | None, how: str = "probed") -> Knobs:
+        """These knobs for drives that read `mb_per_s` together (None or 0: not measured), `how`
+        they were measured."""
         if not self.by_speed:
             return self
         if not mb_per_s:
             return replace(self, why="the default (the drives' speed is not known)")
         for below, kb in BY_SPEED:
             if mb_per_s < below:
-                why = f"the drives probed at {mb_per_s:.4g} MB/s together, below {below:.0f}"
+                why = f"the drives {how} at {mb_per_s:.4g} MB/s together, below {below:.0f}"
                 return replace(self, read_ahead_kb=kb, why=why)
-        return replace(self, why=f"the default (the drives probed at {mb_per_s:.0f} MB/s together)")
+        return replace(self, read_ahead_kb=DEFAULT_KB, why=f"the default (the drives {how} at {mb_per_s:.0f} "
+                       "MB/s together)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -140,13 +149,19 @@ def _connections_dir() -> str | None:
     return None
 
 
+def bdi_read_ahead(mountpoint: str) -> str:
+    """The sysfs file of the readahead of the mount at `mountpoint` (it stats the mount)."""
+    dev = os.stat(mountpoint).st_dev
+    return f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+
+
 def tune(mountpoint: str, knobs: Knobs) -> dict[str, int | None]:
     """Apply the knobs to the mount at `mountpoint` (call it once the mount serves: it stats it).
 
     Returns the values in force afterwards, as read back from sysfs (None: not readable).
     """
     dev = os.stat(mountpoint).st_dev
-    bdi = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+    bdi = bdi_read_ahead(mountpoint)
     conn = _connections_dir()
     conn_dir = os.path.join(conn, str(os.minor(dev))) if conn else None
     wanted = []
@@ -171,15 +186,47 @@ def tune(mountpoint: str, knobs: Knobs) -> dict[str, int | None]:
 
 
 class Tuning:
-    """The knobs wanted for one mount, and the values in force once applied (for stats.json)."""
+    """The knobs wanted for one mount, and the values in force once applied (for stats.json).
+
+    A readahead chosen by speed follows the drives while serving (`follow`): a mount with weights
+    given, which probed nothing, and drives that slow down or recover get the readahead of their
+    speed for the files opened from then on (the kernel copies it into each open file)."""
 
     def __init__(self, knobs: Knobs) -> None:
         self.knobs = knobs
         self._applied: dict[str, int | None] = {}
+        self._bdi: str | None = None  # once applied
+        self._asked = (0, 0)  # (the readahead the drives' speed asks for, looks in a row)
 
     def apply(self, mountpoint: str) -> dict[str, int | None]:
         self._applied = tune(mountpoint, self.knobs)
+        self._bdi = bdi_read_ahead(mountpoint)
         return dict(self._applied)
+
+    def follow(self, mb_per_s: float | None) -> None:
+        """The drives' speed measured saturated while serving (None: not yet): once it asks for
+        another readahead, MARGIN past the threshold and HOLD times in a row, that one."""
+        if not self.knobs.by_speed or self._bdi is None or not mb_per_s:
+            return
+        wanted = self.knobs.for_drives(mb_per_s, "measured saturated")
+        near = {self.knobs.for_drives(mb_per_s * f).read_ahead_kb for f in (1 - MARGIN, 1 + MARGIN)}
+        if wanted.read_ahead_kb == self.knobs.read_ahead_kb or len(near) > 1:
+            self._asked = (0, 0)
+            return
+        kb, times = self._asked
+        self._asked = (wanted.read_ahead_kb, times + 1 if kb == wanted.read_ahead_kb else 1)
+        if self._asked[1] < HOLD:
+            return
+        self._asked = (0, 0)
+        try:
+            _write(self._bdi, wanted.read_ahead_kb)
+        except OSError as e:
+            log.warning("cannot set %s to %d (%s)", self._bdi, wanted.read_ahead_kb, e.strerror)
+            return
+        log.info("readahead %d -> %d KiB for files opened from now on: %s", self.knobs.read_ahead_kb,
+                 wanted.read_ahead_kb, wanted.why)  # fmt: skip
+        self.knobs = replace(wanted, why=f"{wanted.why}, for files opened since {time.strftime('%H:%M:%S')}")
+        self._applied["read_ahead_kb"] = _read(self._bdi)
 
     def applied(self) -> dict[str, int | str | None]:
         """Readahead and FUSE queue as read back from sysfs ({} until applied), and what chose the

@@ -30,6 +30,7 @@ class Config(NamedTuple):
     flags: list[str] | None  # colifs' (None: the fast drive read directly)
     readahead_kb: int  # the fast drive's
     drives: int = 2  # colifs over both drives, or over the fast one only
+    again: bool = False  # measure the engine's second run on the mount (the first one unmeasured)
 
 
 CONFIGS = (
@@ -38,6 +39,8 @@ CONFIGS = (
     "direct128",
     "direct512",
     "defaults",
+    "probed",
+    "again",
     "fastonly",
     "readahead32",
     "readahead64",
@@ -86,6 +89,11 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "direct128": Config("fast drive directly, readahead 128 KiB", None, 128),
         "direct512": Config("fast drive directly, readahead 512 KiB", None, 512),
         "defaults": Config("colifs, both drives (defaults)", ["--weights", w], 128),
+        # No weights: the mount probes the drives, which also chooses its readahead (colifs.kernel).
+        "probed": Config("colifs, both drives, probed (no --weights)", [], 128),
+        # A mount that serves the engine a second time: what it learnt while serving the first
+        # (the readahead of the drives' measured speed, for later opens) is in force.
+        "again": Config("colifs, both drives (defaults), second run", ["--weights", w], 128, again=True),
         "fastonly": Config("colifs, fast drive only (defaults)", [], 128, drives=1),
         "readahead32": Config(
             "colifs, both, --readahead-kb 32", ["--weights", w, "--readahead-kb", "32"], 128
@@ -143,12 +151,17 @@ def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> di
 
 
 @contextlib.contextmanager
-def measured_mount(dirs: list[Path], mnt: Path, flags: list[str]) -> Iterator[tuple[int, dict]]:
+def measured_mount(
+    dirs: list[Path], mnt: Path, flags: list[str], before: Callable[[int], object] | None = None
+) -> Iterator[tuple[int, dict]]:
     """A colifs mount over `dirs`, yielding the daemon's pid and a dict that, once the block is
     left, holds what the daemon served in it (GB), its CPU (s, and per GB) and the drives' byte
-    shares."""
+    shares; `before(pid)` runs first, unmeasured."""
     with colifs_mount(dirs, mnt, *flags) as st:
         pid, figures = st["pid"], {}
+        if before is not None:
+            before(pid)
+            st = json.loads((mnt / ".colifs" / "stats.json").read_text())
         cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
         yield pid, figures
         after = json.loads((mnt / ".colifs" / "stats.json").read_text())
@@ -159,6 +172,7 @@ def measured_mount(dirs: list[Path], mnt: Path, flags: list[str]) -> Iterator[tu
         figures["daemon_cpu_s_per_gb"] = cpu / gb if gb else None
         figures["byte_share"] = [x["byte_share"] for x in after["replicas"]]
         figures["daemon_peak_rss_mib"] = peak_rss_mib(pid)
+        figures["readahead_kb"] = after["kernel"].get("read_ahead_kb")
 
 
 def one_run(
@@ -175,8 +189,13 @@ def one_run(
     cg.set_limit(limit_mib)
     if config.flags is None:
         return run(dirs[0])
-    with measured_mount(dirs[: config.drives], mnt, config.flags) as (pid, figures):
+
+    def joined(pid: int) -> None:
         cg.add(pid)
+        if config.again:
+            run(mnt)
+
+    with measured_mount(dirs[: config.drives], mnt, config.flags, joined) as (pid, figures):
         r = run(mnt)
         (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
     return {**r, **figures}

@@ -165,7 +165,7 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config]) -> 
     print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
           f"{'vs colifs fast only':>20} {'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} "
           f"{'tokens equal':>13} {'daemon GB':>10} {'CPU s':>6} {'CPU s/GB':>9} "
-          f"{'peak RSS MiB':>13}")  # fmt: skip
+          f"{'peak RSS MiB':>13} {'readahead KiB':>14}")  # fmt: skip
     for c in configs:
         vs_alone = "-" if alone is None else f"{median[c.label] / alone:.2f}"
         _print_row(c.label, by[c.label], median[c.label] / best, vs_alone, fastest_load, ref_text)
@@ -186,6 +186,7 @@ def _print_row(
         f" {median_of(runs, 'daemon_cpu_s', '.1f'):>6}"
         f" {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
         f" {median_of(runs, 'daemon_peak_rss_mib', '.0f'):>13}"
+        f" {median_of(runs, 'readahead_kb', '.0f'):>14}"
     )
 
 

@@ -548,16 +548,23 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
         read_all(mnt, primary)  # still mounted, still right
 
 
-def test_slow_drives_probed_at_mount_get_the_small_readahead(tmp_path: Path, engine: str) -> None:
-    """Without weights the mount probes the drives: the native engine's readahead is 32 KiB when they
-    read below 600 MB/s together (llama.cpp's mmap decode on slow drives), and stats.json says why.
-    A readahead given stays; the pyfuse3 engine keeps its own default."""
+@contextmanager
+def slow_drives(tmp_path: Path) -> Iterator[tuple[Path, list[Path]]]:
+    """The test model on two faultfs drives slowed to 60 and 20 MB/s: (its source, the drives)."""
     source, copy = setup_model(tmp_path)
     slow = [tmp_path / "slow-primary", tmp_path / "slow-mirror"]
     controls = [tmp_path / "control-primary", tmp_path / "control-mirror"]
     with faulty_mirror(source, slow[0], controls[0]), faulty_mirror(copy, slow[1], controls[1]):
         for control, mb in zip(controls, (60, 20), strict=True):
             control.write_text(f"slow {mb}")
+        yield source, slow
+
+
+def test_slow_drives_probed_at_mount_get_the_small_readahead(tmp_path: Path, engine: str) -> None:
+    """Without weights the mount probes the drives: the native engine's readahead is 32 KiB when they
+    read below 600 MB/s together (llama.cpp's mmap decode on slow drives), and stats.json says why.
+    A readahead given stays; the pyfuse3 engine keeps its own default."""
+    with slow_drives(tmp_path) as (_, slow):
         for flags, want in (([], 32 if engine == "native" else 512), (["--readahead-kb", "128"], 128)):
             with colifs_on(*slow, tmp_path / "mnt", "--probe-seconds", "0.5", *flags, weights=None) as mnt:
                 st = stats(mnt)
@@ -573,6 +580,31 @@ def test_slow_drives_probed_at_mount_get_the_small_readahead(tmp_path: Path, eng
                 if os.geteuid() == 0:  # the readahead is a sysfs knob
                     assert st["kernel"]["read_ahead_kb"] == want, st["kernel"]
             mnt.rmdir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the readahead is a sysfs knob")
+def test_a_mount_with_weights_takes_the_readahead_of_the_speed_its_drives_deliver(
+    tmp_path: Path, engine: str
+) -> None:
+    """Weights given: no probe, so the mount starts at the default readahead; once both drives,
+    slowed to 60 and 20 MB/s, were read saturated for a while, the native engine's readahead for
+    later opens is 32 KiB, and stats.json says it was measured. The pyfuse3 engine keeps its own."""
+    with slow_drives(tmp_path) as (source, slow):
+        with colifs_on(*slow, tmp_path / "mnt", weights="3,1") as mnt:
+            first = stats(mnt)["kernel"]
+            assert first["read_ahead_kb"] == (128 if engine == "native" else 512), first
+            t0, seconds = time.monotonic(), 30 if engine == "native" else 6
+            while time.monotonic() - t0 < seconds and stats(mnt)["kernel"]["read_ahead_kb"] != 32:
+                read_all(mnt, source)  # both drives busy: every byte still the primary's
+            st = stats(mnt)
+        if engine == "native":
+            assert st["kernel"]["read_ahead_kb"] == 32, (st["kernel"], st["balance"])
+            chosen = st["kernel"]["read_ahead_chosen"]
+            assert chosen.startswith("the drives measured saturated at "), chosen
+            together = sum(st["balance"]["saturated_mb_per_s"])
+            assert 50 < together < 110, st["balance"]  # 80 MB/s, as faultfs counts it
+        else:
+            assert st["kernel"] == first, st["kernel"]
 
 
 def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, engine: str) -> None:

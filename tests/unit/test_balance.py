@@ -427,3 +427,19 @@ def test_a_step_of_time_alone_after_which_nobody_waits_is_judged_by_the_throughp
     reader.run(100e6, (0.0, 0.6), until_changes=1, seconds=10)
     reader.run(30e6, (0.0, 0.04), until_changes=2, seconds=2.5)
     assert b.changes == 2 and b.last_change["why"].startswith("undone"), b.last_change
+
+
+def test_the_drives_capacity_comes_from_saturated_windows_only() -> None:
+    """A drive not kept busy reads in bursts, its rate runs high: the capacity (what the readahead
+    follows) counts only windows in which every drive serving was saturated, and is None until each
+    was. With the right weights under a heavy load both drives are, and it is their speeds added."""
+    bursty = Drives([150e6, 50e6], burst=5.0)
+    b = Balancer([1.0, 1.0], fixed=True)  # wrong weights: the mirror limits, the primary idles half
+    settle(b, bursty, 10)
+    assert b.rates[0] and b.rates[0] > 300e6  # the burst shows in the rate
+    assert b.capacity[0] is None and b.capacity_mb_per_s() is None
+    right = Balancer([3.0, 1.0], fixed=True)
+    settle(right, Drives([150e6, 50e6], noise=0.05), 10)
+    assert right.capacity_mb_per_s() == pytest.approx(200, rel=0.05)
+    shown = right.as_dict()["saturated_mb_per_s"]
+    assert shown == [pytest.approx(150, rel=0.05), pytest.approx(50, rel=0.05)]

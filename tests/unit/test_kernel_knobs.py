@@ -1,6 +1,10 @@
-"""The mount's readahead, chosen from the drives' probed speed unless given."""
+"""The mount's readahead, chosen from the drives' probed speed unless given, and following the speed
+they deliver while serving."""
 
 from __future__ import annotations
+
+import tempfile
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -8,7 +12,7 @@ from hypothesis import strategies as st
 
 from colifs.cli import parser
 from colifs.config import mount_config
-from colifs.kernel import Knobs
+from colifs.kernel import HOLD, MARGIN, Knobs, Tuning
 
 
 def knobs(*flags: str) -> Knobs:
@@ -41,3 +45,52 @@ def test_a_readahead_given_or_the_pyfuse3_default_never_moves(mb_per_s: float | 
     assert given_.for_drives(mb_per_s) == given_ and given_.read_ahead_kb == 256 and given_.why == "given"
     pyfuse3 = knobs("--engine", "pyfuse3")
     assert pyfuse3.for_drives(mb_per_s) == pyfuse3 and pyfuse3.read_ahead_kb == 512
+
+
+def following(tmp_path: Path, *flags: str, mb_per_s: float | None = None) -> tuple[Tuning, Path]:
+    """A Tuning applied to a stand-in for the mount's bdi file (the kernel's readahead at 128)."""
+    bdi = tmp_path / "read_ahead_kb"
+    bdi.write_text("128\n")
+    tuning = Tuning(knobs(*flags).for_drives(mb_per_s))
+    tuning._bdi = str(bdi)  # what apply() finds for a real mount
+    tuning._applied = {"read_ahead_kb": 128, "max_background": None, "congestion_threshold": None}
+    return tuning, bdi
+
+
+def test_the_readahead_follows_the_speed_the_drives_deliver_saturated(tmp_path: Path) -> None:
+    """A mount that did not probe (weights given) keeps 128 KiB until the drives, measured saturated,
+    ask for 32 KiB HOLD looks in a row; then the bdi says 32 for the files opened from then on, and
+    stats say why. Faster drives later bring it back."""
+    tuning, bdi = following(tmp_path, "--weights", "3,1")
+    for _ in range(HOLD - 1):
+        tuning.follow(200.0)
+    assert bdi.read_text() == "128\n"
+    tuning.follow(None)  # a look without a figure does not break the run (not yet measured)
+    tuning.follow(200.0)
+    assert bdi.read_text() == "32\n" and tuning.knobs.read_ahead_kb == 32
+    why = tuning.applied()["read_ahead_chosen"]
+    assert why.startswith("the drives measured saturated at 200 MB/s together, below 600, for files opened")
+    for _ in range(HOLD):
+        tuning.follow(1500.0)
+    assert bdi.read_text() == "128\n" and tuning.applied()["read_ahead_kb"] == 128
+
+
+def test_a_speed_near_a_threshold_or_that_flips_moves_nothing(tmp_path: Path) -> None:
+    """Within MARGIN of a threshold (600 MB/s) nothing moves, nor does a speed that asks for another
+    readahead fewer than HOLD times in a row."""
+    tuning, bdi = following(tmp_path, mb_per_s=700.0)  # probed: 64 KiB
+    for _ in range(3 * HOLD):
+        tuning.follow(600.0 * (1 - MARGIN / 2))  # below 600, but not by MARGIN
+    for k in range(3 * HOLD):
+        tuning.follow(200.0 if k % HOLD else 700.0)
+    assert bdi.read_text() == "128\n" and tuning.knobs.read_ahead_kb == 64
+
+
+@given(st.lists(st.floats(min_value=1, max_value=1e4), max_size=40))
+def test_a_readahead_given_or_the_pyfuse3_default_never_follows(speeds: list[float]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        for flags in (("--readahead-kb", "256"), ("--engine", "pyfuse3")):
+            tuning, bdi = following(Path(d), *flags)
+            for mb in speeds:
+                tuning.follow(mb)
+            assert bdi.read_text() == "128\n" and tuning.knobs == knobs(*flags)
