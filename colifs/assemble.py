@@ -227,6 +227,7 @@ class _Parts:
         def place(root: str, weight: float | None, index: int | None) -> int:
             if index is not None:
                 engine.set_root(index, root)
+                self.balancer.forget(index)
                 return self.routing.place(root, 1.0, index)
             w = self.balancer.weights[0] if weight is None else weight  # until measured
             with stats.changing():  # the engine first: if it cannot, nothing changed
@@ -254,7 +255,12 @@ class _Parts:
         if speeds is not None:
             listeners.append(lambda b: speeds(list(b.rates)))
         if not self.groups:
-            listeners.append(lambda b: tuning.follow(b.capacity_mb_per_s()))
+
+            def follow(b: Balancer) -> None:
+                live = [h.up and h.removed_at is None for h in self.health]
+                tuning.follow(b.capacity_mb_per_s(live), b.saturated_windows)
+
+            listeners.append(follow)
         return Adaptive(self.balancer, activity, self.routing.held, apply, listeners)
 
     def _stats(

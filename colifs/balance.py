@@ -174,6 +174,7 @@ class Balancer:
     rates: list[float | None] = field(default_factory=list)  # bytes per busy second, smoothed
     # The same, from the windows in which the drive was saturated only: what it can deliver.
     capacity: list[float | None] = field(default_factory=list)
+    saturated_windows: int = 0  # windows in which a capacity was measured
     utilization: list[float] = field(default_factory=list)  # of the last window
     alone: list[float] = field(default_factory=list)  # of the last window, share of it
     changes: int = 0
@@ -302,20 +303,31 @@ class Balancer:
     def _saturated(self, w: Window) -> None:
         """Each drive's capacity: its rate in windows where it was SATURATED, smoothed over
         CAPACITY_KEEP of the old figure per window (the rates of a drive not kept busy run high)."""
+        measured = False
         for d, u in enumerate(w.utilization):
             rate = w.rate(d)
             if u < SATURATED or rate is None:
                 continue
             old = self.capacity[d]
             self.capacity[d] = rate if old is None else CAPACITY_KEEP * old + (1 - CAPACITY_KEEP) * rate
+            measured = True
+        self.saturated_windows += measured
 
-    def capacity_mb_per_s(self) -> float | None:
-        """What the drives deliver together (MB/s), once every one serving was measured saturated."""
-        serving = zip(self.capacity, self.rates, self.weights, strict=True)
-        known = [c for c, r, w in serving if r is not None and w > 0]
+    def capacity_mb_per_s(self, live: Sequence[bool]) -> float | None:
+        """What the `live` drives (in the routing) deliver together, MB/s, once every one of them
+        that served was measured saturated; None before, or for good if one never is (a drive that
+        serves too little to be saturated, a partial mirror's, leaves the speed unknown)."""
+        serving = zip(self.capacity, self.rates, live, strict=True)
+        known = [c for c, r, up in serving if r is not None and up]
         if not known or None in known:
             return None
         return sum(known) / 1e6  # type: ignore[arg-type]
+
+    def forget(self, drive: int) -> None:
+        """Another drive in `drive`'s slot (a mirror added where one was removed): nothing measured
+        of the old one counts for it."""
+        self.rates[drive] = self.capacity[drive] = None
+        self._pending[drive] = (0, 0.0, 0.0)
 
     def _target(self, w: Window, now: float) -> list[float] | None:
         """The shares the window asks for, or None (nothing to learn, or right as they are)."""

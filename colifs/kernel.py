@@ -35,9 +35,10 @@ CONNECTIONS = "/sys/fs/fuse/connections"
 BY_SPEED = ((600.0, 32), (1000.0, 64))
 DEFAULT_KB = 128  # the native engine's readahead above them (and when their speed is not known)
 # While serving: the speed the drives deliver saturated moves the readahead of later opens once it
-# is MARGIN past a threshold, for HOLD looks in a row (an open file keeps the one it was opened with).
+# is MARGIN past a threshold, in HOLD measurements in a row (an open file keeps the one it was opened
+# with).
 MARGIN = 0.10
-HOLD = 8
+HOLD = 3
 
 
 @dataclass(frozen=True)
@@ -195,19 +196,24 @@ class Tuning:
     def __init__(self, knobs: Knobs) -> None:
         self.knobs = knobs
         self._applied: dict[str, int | None] = {}
-        self._bdi: str | None = None  # once applied
-        self._asked = (0, 0)  # (the readahead the drives' speed asks for, looks in a row)
+        self._bdi: str | None = None  # once applied, if the mount's readahead took the value wanted
+        self._seen = -1  # the last measurement looked at
+        self._asked = (0, 0)  # (the readahead the drives' speed asks for, measurements in a row)
 
     def apply(self, mountpoint: str) -> dict[str, int | None]:
-        self._applied = tune(mountpoint, self.knobs)
-        self._bdi = bdi_read_ahead(mountpoint)
-        return dict(self._applied)
+        applied = tune(mountpoint, self.knobs)
+        if self.knobs.by_speed and applied["read_ahead_kb"] == self.knobs.read_ahead_kb:
+            self._bdi = bdi_read_ahead(mountpoint)  # not root: nothing to follow with
+        self._applied = applied
+        return dict(applied)
 
-    def follow(self, mb_per_s: float | None) -> None:
-        """The drives' speed measured saturated while serving (None: not yet): once it asks for
-        another readahead, MARGIN past the threshold and HOLD times in a row, that one."""
-        if not self.knobs.by_speed or self._bdi is None or not mb_per_s:
+    def follow(self, mb_per_s: float | None, measurement: int) -> None:
+        """The drives' speed measured saturated while serving (None: not yet), and the number of
+        that measurement: once it asks for another readahead, MARGIN past the threshold and in HOLD
+        measurements in a row, that one."""
+        if self._bdi is None or not mb_per_s or measurement == self._seen:
             return
+        self._seen = measurement
         wanted = self.knobs.for_drives(mb_per_s, "measured saturated")
         near = {self.knobs.for_drives(mb_per_s * f).read_ahead_kb for f in (1 - MARGIN, 1 + MARGIN)}
         if wanted.read_ahead_kb == self.knobs.read_ahead_kb or len(near) > 1:
@@ -215,18 +221,23 @@ class Tuning:
             return
         kb, times = self._asked
         self._asked = (wanted.read_ahead_kb, times + 1 if kb == wanted.read_ahead_kb else 1)
-        if self._asked[1] < HOLD:
-            return
-        self._asked = (0, 0)
+        if self._asked[1] >= HOLD:
+            self._asked = (0, 0)
+            self._set(wanted)
+
+    def _set(self, wanted: Knobs) -> None:
+        assert self._bdi is not None
         try:
             _write(self._bdi, wanted.read_ahead_kb)
         except OSError as e:
-            log.warning("cannot set %s to %d (%s)", self._bdi, wanted.read_ahead_kb, e.strerror)
+            log.warning("cannot set %s to %d (%s); it stays", self._bdi, wanted.read_ahead_kb, e.strerror)
+            self._bdi = None  # one warning, not one per measurement
             return
         log.info("readahead %d -> %d KiB for files opened from now on: %s", self.knobs.read_ahead_kb,
                  wanted.read_ahead_kb, wanted.why)  # fmt: skip
+        applied = {**self._applied, "read_ahead_kb": _read(self._bdi)}
         self.knobs = replace(wanted, why=f"{wanted.why}, for files opened since {time.strftime('%H:%M:%S')}")
-        self._applied["read_ahead_kb"] = _read(self._bdi)
+        self._applied = applied
 
     def applied(self) -> dict[str, int | str | None]:
         """Readahead and FUSE queue as read back from sysfs ({} until applied), and what chose the

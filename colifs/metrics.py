@@ -31,6 +31,10 @@ def prometheus(st: dict) -> str:
         """One sample per replica (a field that an older daemon's stats.json lacks reads 0)."""
         return [({"mountpoint": m, "replica": r["name"], "path": r["path"]}, r.get(field, 0)) for r in reps]
 
+    def bytes_per_s(field: str) -> list[tuple[dict, float]]:
+        """A per-replica figure in MB/s, as bytes/s; replicas not measured yet have no sample."""
+        return [(labels, v * 1e6) for labels, v in per_replica(field) if v is not None]
+
     def health(field: str) -> list[tuple[dict, float]]:
         return [
             ({"mountpoint": m, "replica": r["name"], "path": r["path"]}, r["health"][field])
@@ -74,12 +78,17 @@ def prometheus(st: dict) -> str:
         "Share of the traffic the weights in force give each drive.",
         per_replica("weight_share"),
     )
-    measured = [(labels, v) for labels, v in per_replica("measured_mb_per_s") if v is not None]
     lines += _family(
         "drive_rate_bytes_per_second",
         "gauge",
         "What each drive delivers per second busy, as measured while serving (the weights follow it).",
-        [(labels, v * 1e6) for labels, v in measured],
+        bytes_per_s("measured_mb_per_s"),
+    )
+    lines += _family(
+        "drive_saturated_rate_bytes_per_second",
+        "gauge",
+        "What each drive delivers per second busy in windows it was saturated (the readahead follows it).",
+        bytes_per_s("saturated_mb_per_s"),
     )
     lines += _family(
         "drive_waited_alone_ratio",

@@ -239,6 +239,7 @@ class Stats:
                     "weight": balance["weights"][i],
                     "weight_share": balance["shares"][i],
                     "measured_mb_per_s": balance["measured_mb_per_s"][i],
+                    "saturated_mb_per_s": balance["saturated_mb_per_s"][i],
                     "waited_alone": balance["alone"][i],
                     "bytes_served": self.bytes_served[i],
                     "byte_share": self.bytes_served[i] / total,

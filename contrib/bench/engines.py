@@ -163,6 +163,8 @@ def measured_mount(
             before(pid)
             st = json.loads((mnt / ".colifs" / "stats.json").read_text())
         cpu0, served0 = cpu_seconds(pid), sum(x["bytes_served"] for x in st["replicas"])
+        # What the engine's opens get: the kernel copies the readahead into a file when it opens it.
+        figures["readahead_kb"] = st["kernel"].get("read_ahead_kb")
         yield pid, figures
         after = json.loads((mnt / ".colifs" / "stats.json").read_text())
         gb = (sum(x["bytes_served"] for x in after["replicas"]) - served0) / 1e9
@@ -172,7 +174,7 @@ def measured_mount(
         figures["daemon_cpu_s_per_gb"] = cpu / gb if gb else None
         figures["byte_share"] = [x["byte_share"] for x in after["replicas"]]
         figures["daemon_peak_rss_mib"] = peak_rss_mib(pid)
-        figures["readahead_kb"] = after["kernel"].get("read_ahead_kb")
+        figures["readahead_kb_after"] = after["kernel"].get("read_ahead_kb")
 
 
 def one_run(

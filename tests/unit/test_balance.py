@@ -430,16 +430,22 @@ def test_a_step_of_time_alone_after_which_nobody_waits_is_judged_by_the_throughp
 
 
 def test_the_drives_capacity_comes_from_saturated_windows_only() -> None:
-    """A drive not kept busy reads in bursts, its rate runs high: the capacity (what the readahead
-    follows) counts only windows in which every drive serving was saturated, and is None until each
-    was. With the right weights under a heavy load both drives are, and it is their speeds added."""
+    """A drive not kept busy reads in bursts, its rate runs high: a drive's capacity (what the
+    readahead follows) counts only windows in which it was saturated, and the drives' sum is None
+    until each one serving was. With the right weights under a heavy load both drives are, and it is
+    their speeds added; a drive out of the routing (down, removed) does not count, and one whose
+    slot another mirror takes starts unmeasured."""
     bursty = Drives([150e6, 50e6], burst=5.0)
     b = Balancer([1.0, 1.0], fixed=True)  # wrong weights: the mirror limits, the primary idles half
     settle(b, bursty, 10)
     assert b.rates[0] and b.rates[0] > 300e6  # the burst shows in the rate
-    assert b.capacity[0] is None and b.capacity_mb_per_s() is None
+    assert b.capacity[0] is None and b.capacity_mb_per_s([True, True]) is None
+    assert b.capacity[1] == pytest.approx(50e6, rel=0.01) and b.saturated_windows > 0
     right = Balancer([3.0, 1.0], fixed=True)
     settle(right, Drives([150e6, 50e6], noise=0.05), 10)
-    assert right.capacity_mb_per_s() == pytest.approx(200, rel=0.05)
+    assert right.capacity_mb_per_s([True, True]) == pytest.approx(200, rel=0.05)
+    assert right.capacity_mb_per_s([True, False]) == pytest.approx(150, rel=0.05)
     shown = right.as_dict()["saturated_mb_per_s"]
     assert shown == [pytest.approx(150, rel=0.05), pytest.approx(50, rel=0.05)]
+    right.forget(1)
+    assert right.capacity[1] is None and right.rates[1] is None
