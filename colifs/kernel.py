@@ -45,7 +45,7 @@ HOLD = 3
 class Knobs:
     read_ahead_kb: int  # 0: leave the kernel's default
     max_background: int  # 0: leave the kernel's default; congestion_threshold follows at 3/4
-    by_speed: bool = False  # the readahead is the default: slow drives (probed) change it
+    by_speed: bool = False  # the readahead is the default: the drives' speed (probed, measured) moves it
     why: str = "the default"  # what chose the readahead (stats.json kernel.read_ahead_chosen)
 
     def for_drives(self, mb_per_s: float | None, how: str = "probed") -> Knobs:
@@ -152,7 +152,10 @@ def _connections_dir() -> str | None:
 
 def bdi_read_ahead(mountpoint: str) -> str:
     """The sysfs file of the readahead of the mount at `mountpoint` (it stats the mount)."""
-    dev = os.stat(mountpoint).st_dev
+    return _bdi_file(os.stat(mountpoint).st_dev)
+
+
+def _bdi_file(dev: int) -> str:
     return f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
 
 
@@ -162,7 +165,7 @@ def tune(mountpoint: str, knobs: Knobs) -> dict[str, int | None]:
     Returns the values in force afterwards, as read back from sysfs (None: not readable).
     """
     dev = os.stat(mountpoint).st_dev
-    bdi = bdi_read_ahead(mountpoint)
+    bdi = _bdi_file(dev)
     conn = _connections_dir()
     conn_dir = os.path.join(conn, str(os.minor(dev))) if conn else None
     wanted = []

@@ -30,15 +30,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dual_drive import COLIFS, cpu_seconds
+from dual_drive import COLIFS, Rig, cpu_seconds, sh
+from engines import MemoryCgroup
+
+from colifs.kernel import bdi_read_ahead
 
 ENABLE_URING = Path("/sys/module/fuse/parameters/enable_uring")
-BLKIO, MEMORY = Path("/sys/fs/cgroup/blkio"), Path("/sys/fs/cgroup/memory")
+BLKIO = Path("/sys/fs/cgroup/blkio")
 SERVERS = ("classic", "uring", "colifs")
-
-
-def sh(*cmd: str) -> str:
-    return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
 
 
 def read_bytes(pid: int) -> int:
@@ -47,55 +46,42 @@ def read_bytes(pid: int) -> int:
     return int(next(x for x in lines if x.startswith("read_bytes")).split()[1])
 
 
-def in_cgroup(cg: Path, cmd: list[str]) -> list[str]:
-    return ["sh", "-c", f'echo $$ > {cg}/cgroup.procs && exec "$@"', "sh", *cmd]
-
-
 @contextlib.contextmanager
-def rig(work: Path, mb_per_s: float, gb: float) -> Iterator[tuple[Path, Path, Path]]:
-    """The file on a throttled RAM-backed drive: (its directory, the blkio cgroup, the memory one)."""
-    img, d = Path(f"/dev/shm/fuse-floor-{os.getpid()}.img"), work / "d"
-    blk, mem = BLKIO / f"fuse-floor-{os.getpid()}", MEMORY / f"fuse-floor-{os.getpid()}"
-    loop, uring_was = None, ENABLE_URING.read_text().strip() if ENABLE_URING.exists() else None
+def rig(work: Path, mb_per_s: float, gb: float) -> Iterator[tuple[Path, MemoryCgroup]]:
+    """The file on a RAM-backed drive throttled to `mb_per_s` (the rig's second drive stays unused;
+    this process joins the blkio cgroup, so the servers it starts are throttled), and the readers'
+    memory cgroup: (the file's directory, that cgroup)."""
+    drives = readers = None
+    uring_was = ENABLE_URING.read_text().strip() if ENABLE_URING.exists() else None
     try:
-        sh("truncate", "-s", f"{int(gb * 1000 + 1000)}M", str(img))
-        loop = sh("losetup", "-f", "--show", str(img))
-        sh("mkfs.ext4", "-q", loop)
+        drives = Rig(work, gb + 1, ram=True)
+        d = drives.dirs[0]
         d.mkdir()
-        sh("mount", loop, str(d))
         print(f"writing {gb:g} GB ...", file=sys.stderr)
         sh("dd", "if=/dev/urandom", f"of={d}/model", "bs=1M", f"count={int(gb * 1000)}", "status=none")
         sh("sync")
-        blk.mkdir()
-        dev = Path(f"/sys/block/{Path(loop).name}/dev").read_text().strip()
-        (blk / "blkio.throttle.read_bps_device").write_text(f"{dev} {int(mb_per_s * 1e6)}\n")
-        mem.mkdir()
-        (mem / "memory.limit_in_bytes").write_text(f"{600 << 20}\n")
+        drives.throttle(mb_per_s, mb_per_s)
+        readers = MemoryCgroup(600)
         if uring_was is not None:
             ENABLE_URING.write_text("Y\n")
-        yield d, blk, mem
+        yield d, readers
     finally:
         if uring_was is not None:
             ENABLE_URING.write_text(f"{uring_was}\n")
-        subprocess.run(["umount", str(d)], capture_output=True)
-        if loop:
-            subprocess.run(["losetup", "-d", loop], capture_output=True)
-        img.unlink(missing_ok=True)
-        for cg in (blk, mem):
-            with contextlib.suppress(OSError):
-                for pid in (cg / "cgroup.procs").read_text().split():
-                    (cg.parent / "cgroup.procs").write_text(f"{pid}\n")
-                cg.rmdir()
+        if readers is not None:
+            readers.close()
+        if drives is not None:
+            drives.close()
 
 
 @contextlib.contextmanager
-def server(name: str, floor: Path, d: Path, mnt: Path, blk: Path) -> Iterator[int]:
-    """The server `name` over d/model at mnt, in the blkio cgroup; yields its pid once it serves."""
+def server(name: str, floor: Path, d: Path, mnt: Path) -> Iterator[int]:
+    """The server `name` over d/model at mnt; yields its pid once it serves."""
     if name == "colifs":
         cmd = [*COLIFS, "mount", str(d), str(mnt), "-f", "--readahead-kb", "128"]
     else:
         cmd = [str(floor), name, "16" if name == "classic" else "4", str(d / "model"), str(mnt)]
-    proc = subprocess.Popen(in_cgroup(blk, cmd), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
         while not (mnt / "model").exists():
@@ -103,8 +89,7 @@ def server(name: str, floor: Path, d: Path, mnt: Path, blk: Path) -> Iterator[in
                 raise RuntimeError(f"{name} did not serve")
             time.sleep(0.05)
         time.sleep(1.5)  # io_uring: every queue registered
-        dev = os.stat(mnt).st_dev
-        Path(f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb").write_text("128\n")
+        Path(bdi_read_ahead(str(mnt))).write_text("128\n")
         yield proc.pid
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
@@ -112,11 +97,12 @@ def server(name: str, floor: Path, d: Path, mnt: Path, blk: Path) -> Iterator[in
         proc.wait()
 
 
-def measure(pid: int, mem: Path, reader: list[str]) -> tuple[float, float]:
-    """(MB/s the server read, its CPU s per GB) over one cold reader run."""
+def measure(pid: int, readers: MemoryCgroup, reader: list[str]) -> tuple[float, float]:
+    """(MB/s the server read, its CPU s per GB) over one cold reader run, the reader in `readers`."""
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
     cpu0, read0, t0 = cpu_seconds(pid), read_bytes(pid), time.monotonic()
-    subprocess.run(in_cgroup(mem, reader), check=True, capture_output=True)
+    inside = ["sh", "-c", f'echo $$ > {readers.path}/cgroup.procs && exec "$@"', "sh", *reader]
+    subprocess.run(inside, check=True, capture_output=True)
     gb = (read_bytes(pid) - read0) / 1e9
     return gb * 1e3 / (time.monotonic() - t0), (cpu_seconds(pid) - cpu0) / gb
 
@@ -128,7 +114,7 @@ def rounds(
     n: int,
     readers: dict[str, list[str]],
     serving: Callable[[str], contextlib.AbstractContextManager[int]],
-    mem: Path,
+    memory: MemoryCgroup,
 ) -> Results:
     """Every reader through every server, n times, a server mounted afresh for each round."""
     results: Results = {}
@@ -136,7 +122,7 @@ def rounds(
         for name in SERVERS:
             with serving(name) as pid:
                 for label, reader in readers.items():
-                    mb, s_gb = measure(pid, mem, reader)
+                    mb, s_gb = measure(pid, memory, reader)
                     results.setdefault((name, label), []).append((mb, s_gb))
                     print(f"round {r + 1}: {name}, {label}: {mb:.0f} MB/s, {s_gb:.3f} s/GB", file=sys.stderr)
     return results
@@ -166,8 +152,8 @@ def main() -> int:
             "mmap, random 1 MiB stretches": [str(floor), "touch", f"{mnt}/model", "2", "8"],
             "O_DIRECT, dd bs=16M": ["dd", f"if={mnt}/model", "of=/dev/null", "bs=16M", "iflag=direct"],
         }
-        with rig(work, args.mb_per_s, args.gb) as (d, blk, mem):
-            results = rounds(args.rounds, readers, lambda name: server(name, floor, d, mnt, blk), mem)
+        with rig(work, args.mb_per_s, args.gb) as (d, memory):
+            results = rounds(args.rounds, readers, lambda name: server(name, floor, d, mnt), memory)
         print(f"\none file at {args.mb_per_s:g} MB/s, read cold; server CPU s/GB, median (min-max) of "
               f"{args.rounds} rounds, and MB/s")  # fmt: skip
         for label in readers:
