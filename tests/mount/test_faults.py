@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -235,10 +236,11 @@ def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path:
         assert stats(mnt)["replicas"][1]["health"]["timeouts"] >= 2
 
         def settled() -> bool:
+            """The count came back (a look after that could see a check read's descriptor)."""
             deadline = time.monotonic() + 10
-            while daemon_fds_and_rss(pid)[0] != fds0 and time.monotonic() < deadline:
+            while (n := daemon_fds_and_rss(pid)[0]) != fds0 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            return daemon_fds_and_rss(pid)[0] == fds0
+            return n == fds0
 
         time.sleep(0.5)  # the releases arrive
         assert daemon_fds_and_rss(pid)[0] > fds0  # held by the late reads, not closed under them
@@ -406,7 +408,6 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
     between healthy, EIO, short reads and hung reads."""
     import mmap as mmap_mod
     import random
-    import threading
 
     seconds = float(os.environ.get("COLIFS_SOAK_SECONDS", "20"))
     primary, source = setup_model(tmp_path)
@@ -557,12 +558,13 @@ def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) ->
 
 @contextmanager
 def slow_drives(tmp_path: Path) -> Iterator[tuple[Path, list[Path]]]:
-    """The test model on two faultfs drives slowed to 60 and 20 MB/s: (its source, the drives)."""
+    """The test model on two faultfs drives slowed to 30 and 10 MB/s: (its source, the drives). Slow
+    enough that faultfs' own CPU, on a busy machine, does not slow them further."""
     source, copy = setup_model(tmp_path)
     slow = [tmp_path / "slow-primary", tmp_path / "slow-mirror"]
     controls = [tmp_path / "control-primary", tmp_path / "control-mirror"]
     with faulty_mirror(source, slow[0], controls[0]), faulty_mirror(copy, slow[1], controls[1]):
-        for control, mb in zip(controls, (60, 20), strict=True):
+        for control, mb in zip(controls, (30, 10), strict=True):
             control.write_text(f"slow {mb}")
         yield source, slow
 
@@ -594,7 +596,7 @@ def test_a_mount_with_weights_takes_the_readahead_of_the_speed_its_drives_delive
     tmp_path: Path, engine: str
 ) -> None:
     """Weights given: no probe, so the mount starts at the default readahead; once both drives,
-    slowed to 60 and 20 MB/s, were read saturated for a while, the native engine's readahead for
+    slowed to 30 and 10 MB/s, were read saturated for a while, the native engine's readahead for
     later opens is 32 KiB, and stats.json says it was measured. The pyfuse3 engine keeps its own."""
     with slow_drives(tmp_path) as (source, slow):
         with colifs_on(*slow, tmp_path / "mnt", weights="3,1") as mnt:
@@ -609,9 +611,31 @@ def test_a_mount_with_weights_takes_the_readahead_of_the_speed_its_drives_delive
             chosen = st["kernel"]["read_ahead_chosen"]
             assert chosen.startswith("the drives measured saturated at "), chosen
             together = sum(st["balance"]["saturated_mb_per_s"])
-            assert 50 < together < 110, st["balance"]  # 80 MB/s, as faultfs counts it
+            assert 25 < together < 60, st["balance"]  # 40 MB/s, as faultfs counts it
         else:
             assert st["kernel"] == first, st["kernel"]
+
+
+@contextmanager
+def watching(mnt: Path) -> Iterator[dict]:
+    """stats.json's balance every 0.2 s while the block runs: the mirror's time alone, and the reason
+    of every change (one look after each read_all would miss a change that another replaced)."""
+    seen: dict = {"alone": [], "whys": set()}
+    done = threading.Event()
+
+    def look() -> None:
+        while not done.wait(0.2):
+            balance = stats(mnt)["balance"]
+            seen["alone"].append(balance["alone"][1])
+            seen["whys"].add(balance["last_change"]["why"].split(":")[0])
+
+    t = threading.Thread(target=look)
+    t.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        t.join()
 
 
 def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, engine: str) -> None:
@@ -619,19 +643,17 @@ def test_a_mirror_that_slows_down_loses_its_share_while_serving(tmp_path: Path, 
     force follow what each drive delivers (no remount), and every byte stays the primary's. Both
     engines do so by default, because their O_DIRECT reader waits on the mirror alone (stats.json
     balance.alone, the reason of the last change)."""
-    with through_faultfs(tmp_path) as (primary, mnt, control):
+    with through_faultfs(tmp_path) as (primary, mnt, control), watching(mnt) as seen:
         assert stats(mnt)["balance"]["adaptive"] and stats(mnt)["replicas"][1]["weight_share"] == 0.5
         control.write_text("slow 4")
-        t0, shares, alone, whys = time.monotonic(), [], 0.0, set()
-        while time.monotonic() - t0 < 30:
+        t0, shares = time.monotonic(), []
+        while time.monotonic() - t0 < 60:  # a read_all takes seconds: ends as soon as the share is down
             read_all(mnt, primary)  # the right bytes, every one, through every change
-            balance = stats(mnt)["balance"]
-            shares.append(balance["shares"][1])
-            alone = max(alone, balance["alone"][1])
-            whys.add(balance["last_change"]["why"].split(":")[0])
-            if balance["shares"][1] < 0.1:
+            shares.append(stats(mnt)["balance"]["shares"][1])
+            if shares[-1] < 0.1:
                 break
         took = time.monotonic() - t0
+        alone, whys = max(seen["alone"], default=0.0), seen["whys"]
         after = stats(mnt)
         assert after["balance"]["shares"][1] < 0.1, (
             shares,

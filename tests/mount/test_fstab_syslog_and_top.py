@@ -115,6 +115,18 @@ def test_the_daemon_logs_to_syslog_once_its_stderr_is_gone(model, tmp_path: Path
         sock.close()
 
 
+def read_until(fd: int, want: bytes, within: float = 30.0) -> bytes:
+    """What `fd` gave until `want` was in it (a command's first frame, however slow it starts)."""
+    got, deadline = b"", time.monotonic() + within
+    while want not in got:
+        assert time.monotonic() < deadline, got
+        if select.select([fd], [], [], 0.1)[0]:
+            chunk = os.read(fd, 65536)
+            assert chunk, got  # it ended before drawing
+            got += chunk
+    return got
+
+
 @pytest.mark.mounts
 def test_top_on_a_live_mount_and_q_quits(model) -> None:
     primary, mirror, mnt = model
@@ -132,39 +144,37 @@ def test_top_on_a_live_mount_and_q_quits(model) -> None:
         t = threading.Thread(target=reader)
         t.start()
         try:
-            out = run_colifs("top", str(m.path), "--count", "3", "--interval", "0.3")
+            out = run_colifs("top", str(m.path), "--count", "5", "--interval", "0.3")
         finally:
             stop.set()
             t.join()
         assert out.returncode == 0, out.stderr
         frames = out.stdout.strip().split("\n\n")
-        assert len(frames) == 3 and all(f.startswith(f"colifs top {m.path}") for f in frames)
+        assert len(frames) == 5 and all(f.startswith(f"colifs top {m.path}") for f in frames)
         mirror_now = [float(f.splitlines()[3].split()[2]) for f in frames]
         assert max(mirror_now) > 0  # the mirror's MB/s while the reader ran
         # on a terminal it redraws until q
         master, slave = pty.openpty()
         proc = subprocess.Popen([*COLIFS, "top", str(m.path)], stdin=slave, stdout=slave, stderr=slave)
         os.close(slave)
-        time.sleep(1.5)
-        os.write(master, b"q")
         try:
+            seen = read_until(master, b"hottest layers")  # a frame drawn: the terminal is in cbreak
+            os.write(master, b"q")
             assert proc.wait(timeout=5) == 0
         finally:
             proc.kill()
-            seen = b""
-            while select.select([master], [], [], 0.1)[0]:
-                try:
-                    seen += os.read(master, 65536)
-                except OSError:
-                    break
             os.close(master)
-        assert b"\x1b[H\x1b[2J" in seen and b"hottest layers" in seen
+        assert b"\x1b[H\x1b[2J" in seen
         ctrl_c = subprocess.Popen(
             [*COLIFS, "top", str(m.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
-        time.sleep(1.5)
-        ctrl_c.send_signal(signal.SIGINT)
-        out_, err_ = ctrl_c.communicate(timeout=5)
-        assert ctrl_c.returncode == 0 and err_ == b"" and b"hottest layers" in out_
+        assert ctrl_c.stdout is not None
+        try:
+            first = read_until(ctrl_c.stdout.fileno(), b"hottest layers")  # past start-up: Ctrl-C is taken
+            ctrl_c.send_signal(signal.SIGINT)
+            out_, err_ = ctrl_c.communicate(timeout=5)
+        finally:
+            ctrl_c.kill()
+        assert ctrl_c.returncode == 0 and err_ == b"", (first, out_, err_)  # no traceback
     bad = run_colifs("top", str(primary))
     assert bad.returncode == 3 and bad.stderr.count("\n") == 1

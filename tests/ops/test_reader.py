@@ -123,10 +123,12 @@ def test_down_mirror_comes_back_after_a_check_read_passes(model) -> None:
             nursery.start_soon(reader.watch)
             await read_ranges(ops, primary, 20)
             assert not reader.health[1].up
-            before = io.reads[str(mirror)]
-            await trio.sleep(1.5)  # the first check (after 1 s) fails: back-off 2 s
+            before, checked = io.reads[str(mirror)], reader.health[1].checks
+            with trio.fail_after(5):  # the first check, 1 s after it went down, fails: back-off 2 s
+                while reader.health[1].checks < 1:
+                    await trio.sleep(0.05)
             assert reader.health[1].checks == 1 and not reader.health[1].up
-            assert io.reads[str(mirror)] == before + 1  # only the check read went there
+            assert io.reads[str(mirror)] == before + 1 - checked  # only the check read went there
             io.fail(str(mirror), None)
             with trio.fail_after(4):
                 while not reader.health[1].up:
@@ -182,8 +184,9 @@ def test_hung_mirror_open_times_out_and_its_late_descriptor_is_closed(model) -> 
         assert io.reads.get(str(mirror), 0) == 0  # the open timed out: the file is read without the mirror
         fds_before = set(os.listdir("/proc/self/fd"))
         release.set()
-        await trio.sleep(0.3)  # the late open lands and is closed
-        assert set(os.listdir("/proc/self/fd")) <= fds_before
+        with trio.fail_after(5):  # the late open lands and is closed
+            while not set(os.listdir("/proc/self/fd")) <= fds_before:
+                await trio.sleep(0.05)
         await ops.release(fi.fh)
 
     run(rig, go)
