@@ -1,7 +1,7 @@
 """What the least a FUSE server can do costs in CPU per GB on this machine, /dev/fuse against FUSE
 over io_uring, beside colifs on the same file: the floor under the daemon-CPU targets.
 
-    python contrib/bench/fuse_floor.py [--rounds 2] [--mb-per-s 900] [--gb 2]
+    python contrib/bench/fuse_floor.py [--rounds 2] [--mb-per-s 900] [--gb 2] [--disk]
 
 One file on a RAM-backed loop device throttled to --mb-per-s (blkio), read cold through each
 server by three readers, the readers in a 600 MiB memory cgroup: `dd bs=128k` (a buffered reader),
@@ -10,6 +10,10 @@ random 1 MiB stretches faulted in from an mmap by 2 threads for 8 s (a decode's 
 fuse_floor.c with 16 threads on /dev/fuse ("classic", libfuse's way), and over io_uring with 4
 entries per CPU queue, then `colifs mount` of the file's directory (native engine, one drive).
 Prints each server's MB/s and CPU s/GB (utime + stime per GB it read from the drive).
+
+`--disk`: the image on disk instead, read by the loop device with O_DIRECT. A RAM-backed loop
+device copies each read into the server's buffer on one of this machine's cores (so the reply's
+copy may find the bytes in that core's cache); a disk's data arrives by DMA, as a real NVMe's does.
 
 Needs root, cgroup v1 (blkio, memory), gcc and liburing-dev (`apt-get install liburing-dev`), and
 for io_uring a kernel with CONFIG_FUSE_IO_URING: the fuse module's enable_uring is set to Y for the
@@ -47,14 +51,14 @@ def read_bytes(pid: int) -> int:
 
 
 @contextlib.contextmanager
-def rig(work: Path, mb_per_s: float, gb: float) -> Iterator[tuple[Path, MemoryCgroup]]:
-    """The file on a RAM-backed drive throttled to `mb_per_s` (the rig's second drive stays unused;
+def rig(work: Path, mb_per_s: float, gb: float, ram: bool) -> Iterator[tuple[Path, MemoryCgroup]]:
+    """The file on a drive throttled to `mb_per_s`, RAM-backed or not (the rig's second drive stays unused;
     this process joins the blkio cgroup, so the servers it starts are throttled), and the readers'
     memory cgroup: (the file's directory, that cgroup)."""
     drives = readers = None
     uring_was = ENABLE_URING.read_text().strip() if ENABLE_URING.exists() else None
     try:
-        drives = Rig(work, gb + 1, ram=True)
+        drives = Rig(work, gb + 1, ram=ram)
         d = drives.dirs[0]
         d.mkdir()
         print(f"writing {gb:g} GB ...", file=sys.stderr)
@@ -133,6 +137,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--mb-per-s", type=float, default=900)
     p.add_argument("--gb", type=float, default=2)
+    p.add_argument("--disk", action="store_true", help="the drive's image on disk, not in /dev/shm")
     args = p.parse_args()
     if os.geteuid() != 0 or not BLKIO.is_dir():
         print("fuse_floor: needs root and cgroup v1 (blkio, memory)", file=sys.stderr)
@@ -152,10 +157,11 @@ def main() -> int:
             "mmap, random 1 MiB stretches": [str(floor), "touch", f"{mnt}/model", "2", "8"],
             "O_DIRECT, dd bs=16M": ["dd", f"if={mnt}/model", "of=/dev/null", "bs=16M", "iflag=direct"],
         }
-        with rig(work, args.mb_per_s, args.gb) as (d, memory):
+        with rig(work, args.mb_per_s, args.gb, ram=not args.disk) as (d, memory):
             results = rounds(args.rounds, readers, lambda name: server(name, floor, d, mnt), memory)
-        print(f"\none file at {args.mb_per_s:g} MB/s, read cold; server CPU s/GB, median (min-max) of "
-              f"{args.rounds} rounds, and MB/s")  # fmt: skip
+        where = "on disk (loop, direct-io)" if args.disk else "in RAM"
+        print(f"\none file at {args.mb_per_s:g} MB/s, {where}, read cold; server CPU s/GB, median (min-max) "
+              f"of {args.rounds} rounds, and MB/s")  # fmt: skip
         for label in readers:
             print(f"\n{label}:")
             for name in SERVERS:
