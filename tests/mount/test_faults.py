@@ -228,25 +228,19 @@ def test_reads_given_up_on_leave_no_descriptor_once_the_mirror_answers(tmp_path:
     flags = ("--mirror-timeout", "0.3", "--threads-per-drive", "1", "--routing", "expert")
     with through_faultfs(tmp_path, *flags) as (primary, mnt, control):
         pid = stats(mnt)["pid"]
-        fds0, _ = daemon_fds_and_rss(pid)
+        fds0 = len(daemon_fds(pid))
         control.write_text("hang")
         for p in sorted(primary.glob("*.safetensors")):
             read_all_of = read_direct(mnt / p.name, 0, p.stat().st_size)  # opens, reads, closes
             assert read_all_of == p.read_bytes(), p.name
         assert stats(mnt)["replicas"][1]["health"]["timeouts"] >= 2
 
-        def settled() -> bool:
-            """The count came back (a look after that could see a check read's descriptor)."""
-            deadline = time.monotonic() + 10
-            while (n := daemon_fds_and_rss(pid)[0]) != fds0 and time.monotonic() < deadline:
-                time.sleep(0.1)
-            return n == fds0
-
         time.sleep(0.5)  # the releases arrive
-        assert daemon_fds_and_rss(pid)[0] > fds0  # held by the late reads, not closed under them
+        assert len(daemon_fds(pid)) > fds0  # held by the late reads, not closed under them
         control.write_text("ok")  # the stuck read lands; the queued ones run after it
         time.sleep(1)
-        assert settled()
+        held = daemon_fds_back_to(pid, fds0)
+        assert len(held) == fds0, held
 
 
 def test_a_mirror_whose_checks_hang_holds_up_no_other_mirrors_comeback(tmp_path: Path) -> None:
@@ -396,11 +390,19 @@ def daemon_fds(pid: int) -> list[str]:
     return sorted(target for target in fds if target != "/dev/fuse")
 
 
-def daemon_fds_and_rss(pid: int) -> tuple[int, int]:
-    """How many descriptors `daemon_fds` counts, and the resident set."""
+def daemon_fds_back_to(pid: int, count: int, within: float = 10.0) -> list[str]:
+    """`daemon_fds` once there are `count` of them again, or after `within` s. FUSE releases arrive
+    just after the last close, and a down mirror's check read holds a descriptor for a moment: a
+    count is judged once it came back, not at one look."""
+    deadline = time.monotonic() + within
+    while len(held := daemon_fds(pid)) != count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return held
+
+
+def daemon_rss(pid: int) -> int:
     status = Path(f"/proc/{pid}/status").read_text()
-    rss = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
-    return len(daemon_fds(pid)), rss * 1024
+    return next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:")) * 1024
 
 
 def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
@@ -419,7 +421,7 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
         colifs_on(primary, tmp_path / "faulty", tmp_path / "mnt", "--mirror-timeout", "0.2") as mnt,
     ):
         pid = stats(mnt)["pid"]
-        fds0, rss0 = daemon_fds_and_rss(pid)
+        fds0, rss0 = len(daemon_fds(pid)), daemon_rss(pid)
         stop = time.monotonic() + seconds
         counts = {"reads": 0, "bytes": 0, "mismatches": 0}
         errors: list[BaseException] = []
@@ -470,12 +472,8 @@ def test_soak_32_readers_while_the_mirror_flips(tmp_path: Path) -> None:
             t.start()
         for t in threads:
             t.join()
-        # FUSE releases arrive just after the last close, and a down mirror's check read holds a
-        # descriptor for a moment: the count must come back to where it was, not be so at one look.
-        deadline = time.monotonic() + 10
-        while len(held := daemon_fds(pid)) > fds0 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        fds1, rss1 = len(held), daemon_fds_and_rss(pid)[1]
+        held = daemon_fds_back_to(pid, fds0)
+        fds1, rss1 = len(held), daemon_rss(pid)
         st = stats(mnt)
         health = st["replicas"][1]["health"]
         print(
