@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from latency_drive import BDP_KB, LatencyDrive, latency_us
+
 from colifs.synth import write_checkpoint
 
 COLIFS = [sys.executable, "-m", "colifs"]
@@ -38,36 +40,60 @@ def sh(*cmd: str) -> str:
 class Rig:
     """Loop devices, filesystems and the cgroup; `close()` undoes whatever was done."""
 
-    def __init__(self, work: Path, image_gb: float, ram: bool = False) -> None:
-        """`ram`: the images in /dev/shm, fast enough that the daemon, not the drive, is the limit."""
+    def __init__(self, work: Path, image_gb: float, ram: bool = False, latency: bool = False) -> None:
+        """`ram`: the images in /dev/shm, fast enough that the daemon, not the drive, is the limit.
+        `latency`: drives with latency (latency_drive.py, RAM-backed): each read waits the latency of
+        a real drive's bandwidth-delay product at the rate `throttle` gives it, then its bytes
+        leave at that rate; no blkio throttle."""
         self.work = work
         self.loops: list[str] = []
         self.mounts: list[Path] = []
         self.cgroup: Path | None = None
         self.dirs = []
         self.images: list[Path] = []
-        for name in ("fast", "slow"):
-            img = Path("/dev/shm", f"colifs-bench-{os.getpid()}-{name}.img") if ram else work / f"{name}.img"
+        self.latency_drives: list[LatencyDrive] = []
+        try:
+            for name in ("fast", "slow"):
+                self._drive(name, image_gb, ram, latency)
+        except BaseException:
+            self.close()
+            raise
+
+    def _drive(self, name: str, image_gb: float, ram: bool, latency: bool) -> None:
+        if latency:
+            drive = LatencyDrive(self.work, name, image_gb)
+            self.latency_drives.append(drive)
+            assert drive.loop is not None
+            loop = drive.loop
+        else:
+            shm = Path("/dev/shm", f"colifs-bench-{os.getpid()}-{name}.img")
+            img = shm if ram else self.work / f"{name}.img"
             self.images.append(img)
             sh("truncate", "-s", f"{int(image_gb * 1024)}M", str(img))
             # direct-io: the loop device reads its image with O_DIRECT, not through the host's
             # page cache, so it behaves like a drive under the throttle (tmpfs needs no such thing)
             loop = sh("losetup", "-f", "--show", *([] if ram else ["--direct-io=on"]), str(img))
-            self.loops.append(loop)
-            # A common NVMe default, so the drives read directly are not flattered or handicapped
-            # by this kernel's loop default of 2560 KiB.
-            Path(f"/sys/block/{os.path.basename(loop)}/queue/read_ahead_kb").write_text("128\n")
-            sh("mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop)
-            d = work / name
-            d.mkdir()
-            sh("mount", loop, str(d))
-            self.mounts.append(d)
-            self.dirs.append(d / "model")
+        self.loops.append(loop)
+        # A common NVMe default, so the drives read directly are not flattered or handicapped
+        # by this kernel's loop default of 2560 KiB.
+        Path(f"/sys/block/{os.path.basename(loop)}/queue/read_ahead_kb").write_text("128\n")
+        sh("mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop)
+        d = self.work / name
+        d.mkdir()
+        sh("mount", loop, str(d))
+        self.mounts.append(d)
+        self.dirs.append(d / "model")
 
     def devnames(self) -> list[str]:
         return [os.path.basename(x) for x in self.loops]
 
     def throttle(self, fast_mb: float, slow_mb: float) -> None:
+        """The drives' rates from now on (a drive that slows while serving). Drives with latency
+        keep the latency their first rate gave them (BDP_KB over it)."""
+        if self.latency_drives:
+            for drive, mb, bdp in zip(self.latency_drives, (fast_mb, slow_mb), BDP_KB, strict=True):
+                drive.set(drive.latency_us or latency_us(mb, bdp), mb)
+            return
         if self.cgroup is None:
             self.cgroup = Path(CGROUP_ROOT) / f"colifs-bench-{os.getpid()}"
             self.cgroup.mkdir()
@@ -75,6 +101,14 @@ class Rig:
         for loop, mb in zip(self.loops, (fast_mb, slow_mb), strict=True):
             devno = Path(f"/sys/block/{os.path.basename(loop)}/dev").read_text().strip()
             (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{devno} {int(mb * 1e6)}\n")
+
+    def describe(self) -> str:
+        """The drives, for a results header."""
+        if not self.latency_drives:
+            return "bandwidth caps (blkio throttle)"
+        return "drives with latency: " + ", ".join(
+            f"{d.mb_per_s:g} MB/s at {d.latency_us:.0f} us" for d in self.latency_drives
+        )
 
     def close(self) -> None:
         if self.cgroup is not None:
@@ -88,8 +122,10 @@ class Rig:
                     time.sleep(0.1)  # a daemon that is still exiting keeps it busy
         for d in self.mounts:
             subprocess.run(["umount", str(d)], capture_output=True)
-        for loop in self.loops:
+        for loop in [] if self.latency_drives else self.loops:
             subprocess.run(["losetup", "-d", loop], capture_output=True)
+        for drive in self.latency_drives:  # each detaches its own loop device
+            drive.close()
         for img in self.images:
             img.unlink(missing_ok=True)
 

@@ -143,7 +143,9 @@ def _print_results(
     print()
     print(
         f"llama.cpp (xllamacpp) decoding {args.tokens} tokens of the {args.model} model; drives "
-        f"{args.fast:g} + {args.slow:g} MB/s{' (RAM-backed)' if args.ram else ''}; engine memory cgroup "
+        f"{args.fast:g} + {args.slow:g} MB/s{' (RAM-backed)' if args.ram else ''}"
+        f"{', with latency (bandwidth-delay products 560 + 270 KB)' if args.latency else ''}; "
+        f"engine memory cgroup "
         f"{args.mem_mib} MiB (no-mmap and direct I/O: the model + that); "
         f"{args.repeats} runs each, interleaved"
     )
