@@ -326,7 +326,7 @@ class _Parts:
             fuse_threads=cfg.fuse_threads,
             drive_threads=cfg.threads_per_drive,
             mirror_timeout=cfg.mirror_timeout,
-            extent_buffer_mib=cfg.extent_buffer_mib,
+            fill_mib=cfg.fill_mib,
             passthrough=cfg.passthrough,
             queue_routing=cfg.routing == "queue",
         )

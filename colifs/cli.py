@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from colifs import __version__
-from colifs.config import DEFAULT_EXTENT_BUFFER_MIB, ENGINE_ENV, ENGINES, WEIGHTS_ENV
+from colifs.config import DEFAULT_FILL_MIB, ENGINE_ENV, ENGINES, WEIGHTS_ENV
 from colifs.errors import EXIT_NOT_RELOADED, QuietError, UsageError
 
 
@@ -91,14 +91,14 @@ def parser() -> argparse.ArgumentParser:
         "expert: each expert from one drive (default: queue, stripe with --engine pyfuse3)",
     )
     m.add_argument(
-        "--extent-buffer-mib",
+        "--fill-mib",
         type=int,
-        default=DEFAULT_EXTENT_BUFFER_MIB,
+        default=DEFAULT_FILL_MIB,
         metavar="MIB",
-        help="native engine, experimental: a page-cache reader's (mmap, buffered) first request into "
-        "a routed expert's extent reads all of it (up to 16 MiB) from all drives at once into a "
-        "buffer of this size (e.g. 64), which answers the kernel's next requests there "
-        f"(default: {DEFAULT_EXTENT_BUFFER_MIB} = off: no faster with llama.cpp, see docs/benchmarks.md)",
+        help="native engine: a page-cache reader's (mmap, buffered) first request into a routed expert "
+        "reads the expert's pages the page cache lacks (up to 16 MiB) from every drive at once, each "
+        "piece answering the kernel's request that waits for it or stored into the page cache; fills "
+        f"hold at most this much memory (default: {DEFAULT_FILL_MIB}; 0: off)",
     )
     m.add_argument(
         "--store-root",

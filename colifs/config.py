@@ -24,12 +24,11 @@ DEFAULT_MAX_BACKGROUND = 256
 # when one slows down or the weights are wrong, as fixed stripes with the right weights
 # (docs/benchmarks.md run 54). The pyfuse3 engine has no queues to look at.
 DEFAULT_ROUTING = {"native": "queue", "pyfuse3": "stripe"}
-# The whole-extent buffer (native/stretch.c), MiB; 64 holds four stretches of 16 MiB. Off by
-# default: llama.cpp decoded no faster with it, reading 1.6x the bytes (pages of an extent the page
-# cache still held were read again; docs/benchmarks.md runs 38-40).
-DEFAULT_EXTENT_BUFFER_MIB = 0
+# What fills may hold (native/fill.c), MiB: reads ahead of page-cache readers, an expert's missing
+# pages from every drive at once, 16 MiB a fill at most.
+DEFAULT_FILL_MIB = 64
 MAX_MIRROR_TIMEOUT = 86400.0  # s: longer is "for ever" (0), and a timespec must hold it
-MAX_EXTENT_BUFFER_MIB = 65536  # unit numbers are 32-bit; past this it is a typo, not a buffer
+MAX_FILL_MIB = 65536  # past this it is a typo, not a budget
 
 
 @dataclass
@@ -44,7 +43,7 @@ class MountConfig:
     threads_per_drive: int = 8
     backing_io: str = "direct"  # or "buffered"
     routing: str = "queue"  # or "stripe", "expert" (docs/benchmarks.md: runs 9, 54)
-    extent_buffer_mib: int = DEFAULT_EXTENT_BUFFER_MIB  # native engine: whole-extent reads (0: off)
+    fill_mib: int = DEFAULT_FILL_MIB  # native engine: reads ahead of page-cache readers (0: off)
     passthrough: bool = False  # native engine: page-cache opens read by the kernel from the primary
     store_roots: list[str] = field(default_factory=list)  # symlinks into these are served as files
     revision: str = "main"  # the snapshot a Hugging Face cache repository directory serves
@@ -97,7 +96,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         threads_per_drive=args.threads_per_drive,
         backing_io=args.backing_io,
         routing=routing,
-        extent_buffer_mib=args.extent_buffer_mib,
+        fill_mib=args.fill_mib,
         passthrough=args.passthrough,
         store_roots=args.store_root,
         revision=args.revision,
@@ -129,8 +128,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
     for value in (args.readahead_kb, args.max_background):
         if value is not None and value < 0:
             raise UsageError("--readahead-kb and --max-background must be 0 or more")
-    if not 0 <= args.extent_buffer_mib <= MAX_EXTENT_BUFFER_MIB:
-        raise UsageError(f"--extent-buffer-mib must be 0 to {MAX_EXTENT_BUFFER_MIB} (MiB)")
+    if not 0 <= args.fill_mib <= MAX_FILL_MIB:
+        raise UsageError(f"--fill-mib must be 0 to {MAX_FILL_MIB} (MiB)")
     _check_choices(args)
 
 

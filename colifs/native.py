@@ -41,7 +41,7 @@ CHECK_TIMEOUT = 30.0  # s a check read may take with --mirror-timeout 0 (ours: n
 
 
 def memory_short(short: bool, share: float) -> bool:
-    """Whether memory is short (the extent buffer paused), `share` of the RAM
+    """Whether memory is short (fills paused), `share` of the RAM
     being available and `short` what was decided last (hysteresis)."""
     return share < MEMORY_OK if short else share < MEMORY_LOW
 
@@ -56,15 +56,19 @@ def memory_available() -> float | None:
         return None
 
 
-# native/engine.h counters_t.stretch, in order.
-EXTENT_BUFFER = (
-    "stretches_read",
+# native/engine.h counters_t.fill, in order.
+FILLS = (
+    "fills_started",
     "bytes_read",
     "requests_answered",
     "requests_that_waited",
     "bytes_answered",
     "bytes_held",
-    "stretches_not_started_buffer_full",
+    "fills_not_started_budget_spent",
+    "bytes_stored",
+    "bytes_left_as_cached",
+    "views_open",
+    "view_error",
 )
 
 # native/engine.h counters_t.passthrough, in order.
@@ -84,7 +88,7 @@ class NativeCounters:
     as the engine says (`_native.counter_layout`, u64 words): per drive bytes, reads, errors, busy
     (reads in flight), mirror successes, busy time (ns with a read running), bytes spilled (routed
     to the drive, read by another: --routing queue); fallbacks and late reads skipped; the extent
-    buffer (EXTENT_BUFFER's fields); passthrough (PASSTHROUGH's fields); per key and drive routed
+    buffer (FILLS' fields); passthrough (PASSTHROUGH's fields); per key and drive routed
     bytes; per key reads; per file bytes, reads.
     """
 
@@ -104,7 +108,7 @@ class NativeCounters:
         self.mirror_ok, self._busy_ns = field["drive_ok"], field["drive_busy_ns"]
         self._alone_ns = field["drive_alone_ns"]
         self._spilled, self._fallbacks = field["drive_spilled"], field["fallbacks"]
-        self._stretch, self._passthrough = field["stretch"], field["passthrough"]
+        self._fill, self._passthrough = field["fill"], field["passthrough"]
         self._key_bytes, self._key_reads = field["key_bytes"], field["key_reads"]
         self._file_bytes, self._file_reads = field["file_bytes"], field["file_reads"]
         self._layer = [f"{k.stack}.{k.layer}" if isinstance(k, ExpertKey) else None for k in self.keys]
@@ -148,8 +152,8 @@ class NativeCounters:
         return self._fallbacks[1]
 
     @property
-    def extent_buffer(self) -> dict[str, int]:
-        return dict(zip(EXTENT_BUFFER, self._stretch.tolist(), strict=True))
+    def fills(self) -> dict[str, int]:
+        return dict(zip(FILLS, self._fill.tolist(), strict=True))
 
     @property
     def passthrough(self) -> dict[str, int]:
@@ -231,7 +235,7 @@ class NativeEngine:
         fuse_threads: int,
         drive_threads: int,
         mirror_timeout: float | None,
-        extent_buffer_mib: int = 0,
+        fill_mib: int = 0,
         passthrough: bool = False,
         queue_routing: bool = False,
     ) -> None:
@@ -247,7 +251,7 @@ class NativeEngine:
         self.striping = router.striping
         self.mirror_timeout = mirror_timeout
         self._io = OsIO(direct=direct)
-        self.minds_memory = extent_buffer_mib > 0
+        self.minds_memory = fill_mib > 0
         self._memory_short = False
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
@@ -277,7 +281,7 @@ class NativeEngine:
             event=self._event,
             routes=route_columns(router.weights),
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
-            stretch_units=extent_buffer_mib,
+            fill_mib=fill_mib,
             passthrough=passthrough,
             queue_routing=queue_routing,
         )
@@ -425,7 +429,7 @@ class NativeEngine:
 
     async def watch(self) -> None:
         """Runs for the life of the mount: checks each down mirror once its back-off is over, and
-        pauses the extent buffer while memory is short."""
+        pauses fills while memory is short."""
         async with trio.open_nursery() as checks:
             while True:
                 self.mirrors.start_checks(checks, self._check_read)
@@ -434,16 +438,15 @@ class NativeEngine:
                 await trio.sleep(WATCH_TICK)
 
     def _mind_memory(self) -> None:
-        """The extent buffer holds what nobody asked for yet: no new stretches while less than
-        MEMORY_LOW of the RAM is available (back above MEMORY_OK), and its unused memory goes back
-        to the system."""
+        """Fills hold what nobody asked for yet and store it into the page cache: no new fills while
+        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK)."""
         share = memory_available()
         if share is None or memory_short(self._memory_short, share) == self._memory_short:
             return
         self._memory_short = not self._memory_short
         self.engine.set_memory_short(self._memory_short)
         state = "paused" if self._memory_short else "resumed"
-        log.warning("extent buffer %s: %.0f%% of the memory is available", state, 100 * share)
+        log.warning("fills %s: %.0f%% of the memory is available", state, 100 * share)
 
     def _check_thread(self, drive: int) -> trio.CapacityLimiter:
         """One thread per mirror for its check reads, apart from the daemon's other threads. A check

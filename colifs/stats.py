@@ -49,7 +49,7 @@ class DriveCounters(Protocol):
         ...
 
     @property
-    def extent_buffer(self) -> dict[str, int]: ...
+    def fills(self) -> dict[str, int]: ...
 
     @property
     def passthrough(self) -> dict[str, int]: ...
@@ -69,7 +69,7 @@ class Counters:
         self.late_reads_skipped = 0  # a read given up on before it starts is cancelled, never run
         # Bytes per (stack.layer) per replica as routing decided them (before any fallback).
         self.layers: dict[str, list[int]] = {}
-        self.extent_buffer: dict[str, int] = {}  # the pyfuse3 engine does not buffer whole extents
+        self.fills: dict[str, int] = {}  # the pyfuse3 engine reads no fills
         self.passthrough: dict[str, int] = {}  # nor pass opens through to the kernel
 
     def grow(self) -> None:
@@ -226,7 +226,7 @@ class Stats:
             "weights_source": self.info.weights_source,
             "routing": self.info.routing,
             "engine": self.info.engine,
-            "extent_buffer": self.counters.extent_buffer,
+            "fills": self.counters.fills,
             "passthrough": self.counters.passthrough,
             "kernel": self._kernel(),
             "probe": list(self.info.probe),

@@ -148,7 +148,7 @@ int file_open(engine_t *e, file_t *f) {
 }
 
 /* The primary's open holds the file's lock: it runs only when nothing holds the file (refs == 0: no
- * open, no job, no stretch), so only other opens of the file wait, and they need this descriptor. */
+ * open, no job, no fill), so only other opens of the file wait, and they need this descriptor. */
 int file_open_locked(engine_t *e, file_t *f) {
     int err = 0;
     if (f->refs == 0) {
@@ -548,7 +548,7 @@ int drives_start(engine_t *e) {
 
 /* Stop the drive threads once their queues are empty. A thread stuck in a read on a hung drive is
  * detached instead of waited for: it must not hang the unmount (what it reads into stays allocated:
- * a request buffer or stretch units, see stretch_free). */
+ * a request buffer or a fill's memory). */
 void drives_stop(engine_t *e) {
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
@@ -920,7 +920,7 @@ static pending_t *pending_new(size_t njobs) {
 }
 
 /* One note per kind and drive: a reading counts once against a drive's health however many of its
- * pieces failed there (a stretch has up to 16 on one drive). */
+ * pieces failed there (a fill has dozens on one drive). */
 static void note(notes_t *nt, int kind, int drive, int timed_out, uint32_t gen, const char *what) {
     for (size_t i = 0; i < nt->n; i++) {
         if (nt->v[i].kind == kind && nt->v[i].drive == drive) {
@@ -1173,6 +1173,38 @@ int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *
     return err;
 }
 
+int read_piece_here(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, notes_t *nt) {
+    pc->status = RES_FAILED;
+    int d = pc->drive;
+    if (!d) {
+        read_primary(e, f, pc, how, 0, 1);
+        if (pc->status == RES_FAILED)
+            note_primary(e, pc, 1, nt);
+        return pc->err;
+    }
+    pthread_mutex_lock(&f->lock); /* as hand_out: the job's hold on the file and its copy */
+    f->refs++;
+    f->jobs[d]++;
+    job_t j = {.f = f, .drive = d, .dst = pc->dst, .off = pc->start, .len = pc->end - pc->start,
+               .want = f->ident[d], .gen = atomic_load(&f->copy_gen[d]),
+               .usable = (atomic_load(&f->mask) >> d) & 1u};
+    pthread_mutex_unlock(&f->lock);
+    pc->gen = j.gen;
+    atomic_fetch_add(&e->ctr.drive_busy[d], 1);
+    run_job(e, &j);
+    atomic_fetch_sub(&e->ctr.drive_busy[d], 1);
+    atomic_fetch_sub(&e->queued[d], j.len);
+    j.done = 1;
+    judge(e, &j, pc, nt);
+    job_done(e, f, d);
+    if (pc->status == RES_OK)
+        landed(e, how, pc, 0);
+    int err = fall_back(e, f, pc, 1, how);
+    if (err)
+        note_primary(e, pc, 1, nt);
+    return err;
+}
+
 typedef struct {
     char *buf;
     size_t len;
@@ -1240,9 +1272,9 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     size_t fi = (size_t)(f - e->files);
     atomic_fetch_add(&e->ctr.file_bytes[fi], asked - off);
     atomic_fetch_add(&e->ctr.file_reads[fi], 1);
-    int via = cached ? stretch_serve(e, req, f, off, asked) : 0;
+    int via = cached ? fill_serve(e, req, f, off, asked) : 0;
     if (via > 0)
-        return; /* answered from a whole-extent read (stretch.c) */
+        return; /* answered from a fill (fill.c) */
     uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
     size_t cap = runs_bound(f, start, stop);
     piece_t small[REQ_BUF / BLOCK + 2];
@@ -1250,7 +1282,7 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     request_mem_t mem = {request_buffer(stop - start), stop - start};
     notes_t nt;
     nt.n = 0;
-    /* via < 0: a stretch's mirror failed, so the primary reads it all */
+    /* via < 0: a fill's piece failed or is late, so the primary reads it all */
     int err = pc && mem.buf ? read_and_reply(e, req, f, off, asked, via < 0, cached, &mem, pc, &nt) : ENOMEM;
     if (err)
         fuse_reply_err(req, err);

@@ -9,7 +9,8 @@
  *
  * Files: fs.c (the FUSE handlers), drives.c (per-drive threads and the read fan-out),
  * passthrough.c (page-cache opens the kernel reads from the primary itself),
- * stretch.c (whole-extent reads that answer page-cache readers from a bounded buffer),
+ * fill.c (page-cache readers: an expert's missing pages read from every drive at once, each piece
+ * answering the kernel's request that waits for it or stored into the page cache),
  * module.c (the Python type that builds the tables and runs the loop).
  */
 #ifndef COLIFS_ENGINE_H
@@ -35,6 +36,9 @@ static inline uint64_t min_u64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 static inline uint64_t max_u64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 static inline uint64_t align_down_u64(uint64_t n) { return n & ~(uint64_t)(BLOCK - 1); }
 static inline uint64_t align_up_u64(uint64_t n) { return (n + BLOCK - 1) & ~(uint64_t)(BLOCK - 1); }
+#define FILL_DEPTH 8              /* fill.c: reads in flight per drive (threads) */
+#define FILL_PIECE (256u << 10)   /* fill.c: a piece, and a unit of the fills' arena */
+#define FILL_WORKERS (1 + MAX_REPLICAS * FILL_DEPTH)
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
                           (unless its mirror comes back up: engine.epoch) */
@@ -112,10 +116,20 @@ typedef struct {
     /* The kernel's opens of the file, by mode (passthrough.c: all in one mode at a time). */
     int served_opens, pt_opens;
     int32_t backing_id; /* the kernel's id of the primary's copy while pt_opens > 0 */
+    uint64_t ino;          /* the node serving it (what a page-cache store names) */
+    char *mpath;           /* its path within the mount (view.c opens it there) */
+    /* view.c: the daemon's own open of the file, while page-cache readers hold it open (user_opens,
+     * under lock): view_fd the view thread's alone, view_map set and read under fills.m. */
+    int user_opens, view_fd, view_queued;
+    _Atomic int direct_opens; /* O_DIRECT opens served: fills keep to the extent asked (fill.c) */
+    char *view_map;
+    uint32_t *expert_seg;  /* the segments of routed experts, by key then offset (fill.c) */
+    size_t nexpert;
 } file_t;
 
 struct job;
-struct stretch;
+struct fill;
+struct fpiece;
 
 /* A piece of a reading: file bytes [start, end) (BLOCK multiples but at the file's end) from one
  * drive, into dst. Set by the reading: got, status, err (the primary's errno). */
@@ -182,6 +196,11 @@ typedef struct {
     int nthreads;
 } drive_t;
 
+typedef struct {
+    struct engine *e;
+    int drive; /* -1: the store thread */
+} fill_worker_t;
+
 /* Counters, read by Python through memoryviews (64-bit aligned: plain loads are atomic). */
 typedef struct {
     _Atomic uint64_t *drive_bytes, *drive_reads, *drive_errors, *drive_busy;
@@ -195,10 +214,13 @@ typedef struct {
     _Atomic uint64_t *key_reads;          /* nkeys */
     _Atomic uint64_t *file_bytes, *file_reads; /* nfiles */
     _Atomic uint64_t *drive_ok;           /* successful mirror reads: health needs "in a row" */
-    _Atomic uint64_t *stretch;            /* stretch.c: [0] stretches read, [1] bytes read into them,
-                                             [2] requests answered from one, [3] of them waited for its
-                                             read, [4] bytes answered, [5] bytes held now, [6] stretches
-                                             not started (the buffer was full) */
+    _Atomic uint64_t *fill;               /* fill.c: [0] fills started, [1] bytes read into them, [2]
+                                             requests answered from one, [3] of them waited for a
+                                             piece, [4] bytes answered, [5] bytes held now, [6] fills
+                                             not started (the budget was spent), [7] bytes stored into
+                                             the page cache, [8] bytes left out as cached already,
+                                             [9] views open now (view.c), [10] the last errno a
+                                             view met (0: none) */
     _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
                                              offered it), [1] page-cache opens passed through, [2]
                                              page-cache opens served (their file was open for served
@@ -222,7 +244,7 @@ typedef struct engine {
     _Atomic uint32_t epoch[MAX_REPLICAS]; /* +1 each time a mirror comes back up (a check read
                                              passed): descriptors opened before are opened again */
     _Atomic uint32_t no_direct_warned;
-    uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys stretches work on) */
+    uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys fills work on) */
     int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */
     int queue_routing;         /* each piece to the drive that reads it first (drives.c quickest) */
     _Atomic uint64_t queued[MAX_REPLICAS]; /* bytes handed to each drive and not read yet */
@@ -259,19 +281,42 @@ typedef struct engine {
     pthread_t loop_thread;
     _Atomic int looping;
 
-    /* stretch.c: the whole-extent buffer. Lock rules: stretches.m guards the list, every
-     * stretch's fields but its bytes, and the free units; a stretch's bytes are written only while
-     * its piece is not yet published (state S_READING, set under the lock) and read only after. */
+    /* fill.c. Lock rules: fills.m guards the list, the queues, held, every fill's refs and left,
+     * and every piece's state and claim; a piece's bytes are written only while it is P_READING
+     * (set under the lock) and read only once it is P_LANDED. */
     struct {
         pthread_mutex_t m;
-        pthread_cond_t published; /* a piece of some stretch changed state */
-        char *arena;              /* nunits x STRETCH_UNIT bytes, mapped once */
+        pthread_cond_t landed;                /* a piece landed or failed */
+        pthread_cond_t work[MAX_REPLICAS];    /* a piece queued on the drive */
+        pthread_cond_t store;                 /* a piece to store */
+        struct fill *list;
+        struct fpiece *head[MAX_REPLICAS], *tail[MAX_REPLICAS];
+        struct fpiece *store_head, *store_tail;
+        size_t budget;                        /* bytes fills may hold: the arena */
+        char *arena;                          /* nunits pieces of FILL_PIECE, mapped once */
         uint32_t *free_units;
         size_t nunits, nfree;
-        size_t live;              /* stretches not freed yet (listed, or held by their users) */
-        struct stretch *list;
-        _Atomic int paused;       /* by Python, while memory is short: no new stretches */
-    } stretches;
+        int stop;
+        fill_worker_t workers[FILL_WORKERS];
+        pthread_t threads[FILL_WORKERS];
+        int nworkers;
+        int readers[MAX_REPLICAS];            /* drive threads per drive (a piece of a drive with none
+                                                 is read from the primary) */
+        _Atomic int paused;                   /* by Python, while memory is short: no new fills */
+    } fills;
+
+    /* view.c. Lock rules: views.m guards the queue and every file's view_queued; the clone, nviews
+     * and the files' view_fd are the view thread's alone. */
+    struct {
+        pthread_mutex_t m;
+        pthread_cond_t c;
+        file_t **queue; /* files whose view is to be opened or closed (each at most once) */
+        size_t nqueued;
+        int on, started, stop;
+        pthread_t thread;
+        _Atomic pid_t tid;   /* the view thread's: its opens are views, not readers */
+        int clone, nviews;   /* the detached clone of the mount the views are opened in */
+    } views;
 
     /* Calls into Python: rare requests (control files, xattrs) and events. Set by module.c. */
     void *py;
@@ -300,16 +345,22 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
  * gets. What failed is noted in nt, for send_notes once the caller holds no lock and has replied. */
 int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt);
 void send_notes(engine_t *e, file_t *f, notes_t *nt);
+/* One piece read on the calling thread from its drive (a mirror's checked as its jobs are, and read
+ * again from the primary if it failed); its bytes were counted in e->queued at hand-out. 0, or the
+ * primary's errno. */
+int read_piece_here(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, notes_t *nt);
 uint64_t mono_ns(void);
 
-/* stretch.c */
-#define STRETCH_UNIT (1u << 20) /* the buffer's allocation unit */
-int stretch_init(engine_t *e, size_t units);
-void stretch_free(engine_t *e);
-void stretch_pause(engine_t *e, int paused);
-/* 1: answered from a stretch; 0: not in one; -1: in one whose mirror read failed there (read it
- * from the primary). */
-int stretch_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
+/* fill.c */
+int fill_init(engine_t *e, size_t budget); /* the files' expert index; budget 0: no fills */
+int fills_start(engine_t *e);              /* at mount: the store thread, FILL_DEPTH per drive */
+int fill_drive_start(engine_t *e, int d);  /* a mirror joined */
+void fills_stop(engine_t *e);
+void fill_pause(engine_t *e, int paused);
+void fill_free_arena(engine_t *e); /* after the loop */
+/* 1: answered from a fill; 0: not in one (serve it); -1: in one whose piece failed or is late
+ * (read it from the primary). */
+int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
 int file_open(engine_t *e, file_t *f);
 int file_open_locked(engine_t *e, file_t *f); /* f->lock held */
 void file_release(engine_t *e, file_t *f);
@@ -323,6 +374,18 @@ int add_drive(engine_t *e, const uint8_t *routes, size_t len);
  * too many retired descriptors already (try again once its jobs are done). */
 int file_set_copy(file_t *f, int d, const ident_t *ident);
 uint32_t segment_at(const file_t *f, uint64_t off); /* the run-table segment holding off */
+
+void prefetch_after(engine_t *e, file_t *f, uint64_t ino, uint64_t off, uint64_t asked);
+
+/* view.c */
+int views_init(engine_t *e);  /* after fill_init and the tables */
+int views_start(engine_t *e); /* at mount */
+void views_stop(engine_t *e); /* after the session ended: the views' closes need no answer */
+int view_is_mine(engine_t *e, fuse_req_t req);      /* an open by the view thread */
+void view_reader(engine_t *e, file_t *f, int delta); /* a page-cache reader's open (+1), release (-1) */
+/* Which pages of [a, b) the page cache holds (vec[i] & 1), via f's view (fills.m held; BLOCK is the
+ * page size): the pages looked at, 0 when f has no view. */
+size_t view_cached(const file_t *f, uint64_t a, uint64_t b, unsigned char *vec);
 
 /* passthrough.c */
 int passthrough_setup(engine_t *e); /* after fuse_session_mount; 0 or an errno */

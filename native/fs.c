@@ -18,8 +18,9 @@ typedef struct {
     file_t *f;
     char *data; /* control files: the snapshot taken at open */
     size_t len;
-    int cached; /* opened without O_DIRECT: its reads fill the page cache (stretches answer them) */
+    int cached; /* opened without O_DIRECT: its reads fill the page cache (fills answer them) */
     int passed; /* passed through: the kernel reads the primary itself (passthrough.c) */
+    int view;   /* the daemon's own open (view.c), not a reader's */
 } handle_t;
 
 static engine_t *eng(fuse_req_t req) { return fuse_req_userdata(req); }
@@ -148,6 +149,45 @@ static void op_readdir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, s
     free(buf);
 }
 
+/* A reader's served open (+1) or release (-1), for fills: a page-cache reader's gets the file a view
+ * (view.c); an O_DIRECT reader's keeps fills to the extent asked (fill.c). */
+static void count_reader(engine_t *e, const handle_t *h, int delta) {
+    if (h->passed || h->view)
+        return;
+    if (h->cached)
+        view_reader(e, h->f, delta);
+    else
+        atomic_fetch_add(&h->f->direct_opens, delta);
+}
+
+static void release_file(engine_t *e, const handle_t *h) {
+    count_reader(e, h, -1);
+    file_release_kernel(e, h->f, h->passed);
+}
+
+/* The kernel's open of a served file, into h: 0 or an errno. */
+static int open_file(engine_t *e, fuse_req_t req, file_t *f, handle_t *h, struct fuse_file_info *fi) {
+    int32_t backing = 0;
+    h->cached = !(fi->flags & O_DIRECT);
+    int err = file_open_kernel(e, f, h->cached, &backing);
+    if (err)
+        return err;
+    h->kind = H_FILE;
+    h->f = f;
+    h->passed = backing > 0;
+    h->view = view_is_mine(e, req);
+    count_reader(e, h, 1);
+    passthrough_reply_next(backing);
+    /* The files are immutable: the page cache stays valid across opens. A passed-through open
+     * has none of its own (and the kernel refuses it with FOPEN_KEEP_CACHE). */
+    fi->keep_cache = !h->passed;
+    /* An O_DIRECT open of a file open passed through must pass through too (passthrough.c);
+     * FOPEN_DIRECT_IO has its reads come here all the same, read as any O_DIRECT read (the
+     * backing file would ask the caller for aligned buffers). */
+    fi->direct_io = h->passed && !h->cached;
+    return 0;
+}
+
 static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     engine_t *e = eng(req);
     if ((fi->flags & O_ACCMODE) != O_RDONLY || (fi->flags & O_TRUNC)) {
@@ -176,26 +216,12 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
         fi->direct_io = 1;
         fi->keep_cache = 0;
     } else if (n->file >= 0) {
-        file_t *f = &e->files[n->file];
-        int32_t backing = 0;
-        h->cached = !(fi->flags & O_DIRECT);
-        int err = file_open_kernel(e, f, h->cached, &backing);
+        int err = open_file(e, req, &e->files[n->file], h, fi);
         if (err) {
             free(h);
             fuse_reply_err(req, err);
             return;
         }
-        h->kind = H_FILE;
-        h->f = f;
-        h->passed = backing > 0;
-        passthrough_reply_next(backing);
-        /* The files are immutable: the page cache stays valid across opens. A passed-through open
-         * has none of its own (and the kernel refuses it with FOPEN_KEEP_CACHE). */
-        fi->keep_cache = !h->passed;
-        /* An O_DIRECT open of a file open passed through must pass through too (passthrough.c);
-         * FOPEN_DIRECT_IO has its reads come here all the same, read as any O_DIRECT read (the
-         * backing file would ask the caller for aligned buffers). */
-        fi->direct_io = h->passed && !h->cached;
     } else {
         free(h);
         fuse_reply_err(req, n->kind == NODE_DIR || n->kind == NODE_CONTROL_DIR ? EISDIR : EINVAL);
@@ -206,7 +232,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     passthrough_reply_next(0);
     if (sent != 0) { /* the opener is gone (interrupted): nobody will release */
         if (h->kind == H_FILE)
-            file_release_kernel(e, h->f, h->passed);
+            release_file(e, h);
         free(h->data);
         free(h);
     }
@@ -228,7 +254,7 @@ static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     (void)ino;
     handle_t *h = (handle_t *)(uintptr_t)fi->fh;
     if (h->kind == H_FILE)
-        file_release_kernel(eng(req), h->f, h->passed);
+        release_file(eng(req), h);
     free(h->data);
     free(h);
     fuse_reply_err(req, 0);

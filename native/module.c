@@ -309,8 +309,8 @@ static int load_files(engine_t *e, PyObject *files) {
 }
 
 /* The counters, in the memory Python owns: the one statement of their layout, in order. Python
- * asks for it (counter_layout) and reads each field by name; `stretch` and `passthrough` hold
- * the fields colifs.native names in EXTENT_BUFFER and PASSTHROUGH (a test checks the widths). */
+ * asks for it (counter_layout) and reads each field by name; `fill` and `passthrough` hold
+ * the fields colifs.native names in FILLS and PASSTHROUGH (a test checks the widths). */
 typedef enum { ONCE, PER_DRIVE, PER_KEY_AND_DRIVE, PER_KEY, PER_FILE } scale_t;
 
 static const struct counter_field {
@@ -328,7 +328,7 @@ static const struct counter_field {
     {"drive_alone_ns", offsetof(counters_t, drive_alone_ns), PER_DRIVE, 1},
     {"drive_spilled", offsetof(counters_t, drive_spilled), PER_DRIVE, 1},
     {"fallbacks", offsetof(counters_t, fallbacks), ONCE, 2},
-    {"stretch", offsetof(counters_t, stretch), ONCE, 7},
+    {"fill", offsetof(counters_t, fill), ONCE, 11},
     {"passthrough", offsetof(counters_t, passthrough), ONCE, 4},
     {"key_bytes", offsetof(counters_t, key_bytes), PER_KEY_AND_DRIVE, 1},
     {"key_reads", offsetof(counters_t, key_reads), PER_KEY, 1},
@@ -398,7 +398,7 @@ static void own_callbacks(EngineObject *self, PyObject *const calls[4]) {
     }
 }
 
-/* One byte per key, 1 for the routed experts (the keys stretches work on). Releases `experts`. */
+/* One byte per key, 1 for the routed experts (the keys fills work on). Releases `experts`. */
 static int load_experts(engine_t *e, Py_buffer *experts, Py_ssize_t nkeys) {
     int bad = experts->buf && experts->len != nkeys;
     if (!bad && nkeys > 0) {
@@ -447,7 +447,7 @@ static int load_replicas(engine_t *e, PyObject *roots, const uint8_t *routes, si
 
 /* The namespace, the files' run tables, the counters' memory and the extent buffer. */
 static int load_tables(EngineObject *self, PyObject *files, PyObject *children, PyObject *nodes,
-                       PyObject *counters, Py_ssize_t stretch_units) {
+                       PyObject *counters, Py_ssize_t fill_mib) {
     engine_t *e = &self->e;
     if (load_files(e, files) || load_children(e, children) || load_nodes(e, nodes, e->nchildren))
         return -1;
@@ -456,8 +456,8 @@ static int load_tables(EngineObject *self, PyObject *files, PyObject *children, 
     self->have_counters = 1;
     if (map_counters(e, &self->counters))
         return -1;
-    if (stretch_units < 0 || stretch_init(e, (size_t)stretch_units)) {
-        PyErr_SetString(PyExc_ValueError, "stretch_units: a buffer of that many MiB cannot be mapped");
+    if (fill_mib < 0 || fill_init(e, (size_t)fill_mib << 20) || views_init(e)) {
+        PyErr_SetString(fill_mib < 0 ? PyExc_ValueError : PyExc_MemoryError, "fill_mib: not a budget");
         return -1;
     }
     for (size_t i = 0; i < e->nchildren; i++) {
@@ -487,14 +487,14 @@ static int new_session(engine_t *e, const char *opts) {
 static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
-                            "xattr", "listxattr", "event", "routes", "expert_keys", "stretch_units",
+                            "xattr", "listxattr", "event", "routes", "expert_keys", "fill_mib",
                             "passthrough", "queue_routing", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters, *calls[4];
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
-    Py_ssize_t stretch_units = 0;
+    Py_ssize_t fill_mib = 0;
     int passthrough = 0, queue_routing = 0;
     Py_buffer experts = {0}, routes = {0};
     if (self->e.nrep) {
@@ -504,7 +504,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|y*npp", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
-                                     &experts, &stretch_units, &passthrough, &queue_routing))
+                                     &experts, &fill_mib, &passthrough, &queue_routing))
         return -1;
     own_callbacks(self, calls);
     uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
@@ -533,7 +533,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     e->xattr = py_xattr;
     e->listxattr = py_listxattr;
     e->event = py_event;
-    if (load_tables(self, files, children, nodes, counters, stretch_units))
+    if (load_tables(self, files, children, nodes, counters, fill_mib))
         return -1;
     return new_session(e, opts);
 }
@@ -561,6 +561,10 @@ static PyObject *Engine_mount(EngineObject *self, PyObject *unused) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int err = drives_start(e);
+    if (!err)
+        err = fills_start(e);
+    if (!err)
+        err = views_start(e);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err) {
         errno = err;
@@ -678,6 +682,8 @@ static PyObject *Engine_add_drive(EngineObject *self, PyObject *args) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     int err = add_drive(e, b.buf, (size_t)b.len);
+    if (!err)
+        fill_drive_start(e, d); /* if its threads could not start, fills read its pieces from the primary */
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     PyBuffer_Release(&b);
     if (err)  /* nothing started, or what was is stopped */
@@ -755,7 +761,7 @@ static PyObject *Engine_set_memory_short(EngineObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "p", &is_short))
         return NULL;
     Py_BEGIN_ALLOW_THREADS;
-    stretch_pause(&self->e, is_short);
+    fill_pause(&self->e, is_short);
     Py_END_ALLOW_THREADS;
     Py_RETURN_NONE;
 }
@@ -774,9 +780,11 @@ static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
     self->destroyed = 1;
     Py_BEGIN_ALLOW_THREADS;
     drives_stop(e);
+    fills_stop(e);
     if (self->mounted)
         fuse_session_unmount(e->se);
     fuse_session_destroy(e->se);
+    views_stop(e);
     Py_END_ALLOW_THREADS;
     e->se = NULL;
     Py_RETURN_NONE;
@@ -825,6 +833,8 @@ static void Engine_dealloc(EngineObject *self) {
         free(e->files[i].seg_key);
         free(e->files[i].seg_pos);
         free(e->files[i].seg_rot);
+        free(e->files[i].expert_seg);
+        free(e->files[i].mpath);
     }
     for (size_t i = 0; i < e->nnodes; i++)
         free(e->nodes[i].target);
@@ -834,7 +844,7 @@ static void Engine_dealloc(EngineObject *self) {
     free(e->nodes);
     free(e->children);
     free(e->key_expert);
-    stretch_free(e);
+    fill_free_arena(e);
     if (self->have_counters)
         PyBuffer_Release(&self->counters);
     for (int d = 0; d < e->nrep; d++)
@@ -864,8 +874,7 @@ static PyMethodDef Engine_methods[] = {
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,
-     "set_memory_short(short): pause (or resume) new stretches, and give back the "
-     "stretch buffer's unused memory."},
+     "set_memory_short(short): pause (or resume) new fills."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},
     {NULL, NULL, 0, NULL},
 };

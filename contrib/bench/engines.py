@@ -44,7 +44,7 @@ CONFIGS = (
     "fastonly",
     "readahead32",
     "readahead64",
-    "buffer",
+    "nofill",
     "passthrough",
     "passthrough512",
     "threads4",
@@ -77,6 +77,13 @@ def rig_arguments(p: argparse.ArgumentParser, default_configs: str) -> None:
     )
     p.add_argument("--json", metavar="FILE", help="the results, saved after every run")
     p.add_argument("--ram", action="store_true", help="the drive images in /dev/shm (fast drives: 900 + 300)")
+    p.add_argument(
+        "--latency",
+        action="store_true",
+        help="drives with latency (latency_drive.py, RAM-backed): each read waits that of a real drive's "
+        "bandwidth-delay product (560 KB fast, 270 KB slow) at its rate; one 128 KiB read in flight gets "
+        "a fraction of the drive",
+    )
 
 
 def configs(fast: float, slow: float, names: str) -> list[Config]:
@@ -101,9 +108,7 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "readahead64": Config(
             "colifs, both, --readahead-kb 64", ["--weights", w, "--readahead-kb", "64"], 128
         ),
-        "buffer": Config(
-            "colifs, both, --extent-buffer-mib 64", ["--weights", w, "--extent-buffer-mib", "64"], 128
-        ),
+        "nofill": Config("colifs, both, --fill-mib 0 (no fills)", ["--weights", w, "--fill-mib", "0"], 128),
         "passthrough": Config("colifs, both, --passthrough", ["--weights", w, "--passthrough"], 128),
         "passthrough512": Config(
             "colifs, both, --passthrough, drive readahead 512 KiB", ["--weights", w, "--passthrough"], 512
@@ -229,7 +234,7 @@ def interleaved(
     work = Path(tempfile.mkdtemp(prefix=f"colifs-{prefix}-"))
     rig = cg = None
     try:
-        rig = Rig(work, image_gb=image_gb, ram=args.ram)
+        rig = Rig(work, image_gb=image_gb, ram=args.ram, latency=args.latency)
         a, b = rig.dirs
         a.mkdir()
         write(a)

@@ -16,8 +16,8 @@ from tests.helpers import run_colifs
         ("--mirror-timeout", "nan"),
         ("--mirror-timeout", "1e12"),
         ("--mirror-timeout", "-1"),
-        ("--extent-buffer-mib", "-1"),
-        ("--extent-buffer-mib", "100000"),
+        ("--fill-mib", "-1"),
+        ("--fill-mib", "100000"),
     ],
 )
 def test_a_bad_number_is_one_line(tmp_path: Path, flag: str, value: str) -> None:

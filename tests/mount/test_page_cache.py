@@ -1,12 +1,13 @@
-"""Page-cache readers (mmap, buffered) and the whole-extent buffer (native engine,
---extent-buffer-mib): the first request into a routed expert's extent reads all of the extent from
-every drive at once, and the kernel's next requests there are answered from the buffer. The bytes
-are always the primary's."""
+"""Page-cache readers (mmap, buffered) and fills (native engine, --fill-mib): the first request into a
+routed expert reads the expert's pages the page cache lacks from every drive at once; each piece
+answers the kernel's request that waits for it, or is stored into the page cache. The bytes are
+always the primary's."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -14,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from colifs.formats.layout import ExpertKey
-from tests.helpers import drop_file_cache, extents_of, fused_model, mounted
+from tests.helpers import drop_file_cache, extents_of, fused_model, mounted, run_colifs
 from tests.mount.test_faults import read_all, stats, through_faultfs
 
 pytestmark = pytest.mark.mounts
 
 PAGE = mmap.PAGESIZE
-BUFFER = ("--extent-buffer-mib", "64")
+EXPERT = 3 * (2 << 20)  # the fused model's: three extents of 2 MiB
 
 
 @pytest.fixture
@@ -32,40 +33,74 @@ def fused(tmp_path: Path) -> tuple[Path, Path, Path]:
 @pytest.fixture
 def native_only(engine: str) -> None:
     if engine == "pyfuse3":
-        pytest.skip("the extent buffer is the native engine's")
+        pytest.skip("fills are the native engine's")
 
 
-def buffer_of(m) -> dict:
-    return m.stats()["extent_buffer"]
+def fills_of(m) -> dict:
+    return m.stats()["fills"]
 
 
-def test_page_cache_readers_are_answered_from_whole_extent_reads(fused, tmp_path: Path, native_only) -> None:
-    """mmap faults through a whole fused model: every byte the primary's; each extent is read
-    once, from both drives, and most of the kernel's requests are answered from the buffer."""
+def served(m) -> int:
+    return sum(r["bytes_served"] for r in m.stats()["replicas"])
+
+
+def settled(m) -> dict:
+    """The fills' counters once none holds memory (every piece answered, stored or failed)."""
+    deadline = time.monotonic() + 10
+    while (f := fills_of(m))["bytes_held"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return f
+
+
+def test_page_cache_readers_are_answered_and_stored_by_fills(fused, tmp_path: Path, native_only) -> None:
+    """mmap faults through a whole fused model: every byte the primary's; each expert is read once,
+    from both drives, its pieces answering requests or stored into the page cache."""
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", *BUFFER) as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
             assert mm[:] == want
+        fills = settled(m)
         st = m.stats()
-        buf = st["extent_buffer"]
-        extents = 2 * 3 * 4
-        assert extents <= buf["stretches_read"] <= extents + 2, buf
-        assert buf["requests_answered"] >= 4 * buf["stretches_read"], buf  # 2 MiB / 128 KiB a stretch
-        assert buf["bytes_answered"] >= 0.9 * extents * (2 << 20), buf
-        assert buf["stretches_not_started_buffer_full"] == 0
+        keys = 2 * 4
+        assert keys <= fills["fills_started"] <= 3 * keys, fills
+        assert fills["bytes_stored"] + fills["bytes_answered"] >= 0.9 * keys * EXPERT, fills
+        assert fills["bytes_stored"] > 0 and fills["requests_answered"] > 0, fills
+        assert fills["fills_not_started_budget_spent"] == 0, fills
         assert all(r["bytes_served"] > (10 << 20) for r in st["replicas"])  # both drives read it
-        read = sum(r["bytes_served"] for r in st["replicas"])
-        assert read < 1.1 * len(want), (read, len(want))  # nothing read twice
+        assert served(m) < 1.1 * len(want), (served(m), len(want))  # nothing read twice
         assert st["fallbacks"] == 0
 
 
-def test_direct_readers_and_a_zero_buffer_never_use_it(fused, tmp_path: Path, native_only) -> None:
+def test_one_touch_stores_the_whole_expert(fused, tmp_path: Path, native_only) -> None:
+    """One page of an expert read: its fill reads the rest of the expert's three extents, and
+    they are in the page cache after: reading them through the mount reaches no drive."""
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", *BUFFER) as m:
+    spans = extents_of(model, ExpertKey("blk", 1, 2))
+    assert len(spans) == 3
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        a = spans[1][0] + 5 * PAGE  # the middle extent, a little way in
+        with open(via, "rb", buffering=0) as f:
+            f.seek(a)
+            assert f.read(PAGE) == want[a : a + PAGE]
+            fills = settled(m)
+            assert fills["fills_started"] == 1 and fills["bytes_stored"] >= EXPERT - (1 << 20), fills
+            before = served(m)
+            for s, e in spans:
+                f.seek(s)
+                assert f.read(e - s) == want[s:e]
+            assert served(m) - before <= 2 * PAGE, served(m) - before  # the extents' ragged ends
+
+
+def test_direct_readers_and_a_zero_budget_never_fill(fused, tmp_path: Path, native_only) -> None:
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
         fd = os.open(m.path / model.name, os.O_RDONLY | os.O_DIRECT)
         try:
             got = mmap.mmap(-1, len(want) // PAGE * PAGE)
@@ -73,28 +108,28 @@ def test_direct_readers_and_a_zero_buffer_never_use_it(fused, tmp_path: Path, na
         finally:
             os.close(fd)
         assert got[:] == want[: len(got)]
-        assert buffer_of(m)["stretches_read"] == 0
-    with mounted(primary, [mirror], tmp_path / "mnt2", "--weights", "1,1") as m:  # off by default
+        assert fills_of(m)["fills_started"] == 0
+    with mounted(primary, [mirror], tmp_path / "mnt2", "--weights", "1,1", "--fill-mib", "0") as m:
         drop_file_cache(m.path / model.name)
         assert (m.path / model.name).read_bytes() == want
-        assert buffer_of(m)["stretches_read"] == 0 and buffer_of(m)["requests_answered"] == 0
+        assert fills_of(m)["fills_started"] == 0 and fills_of(m)["requests_answered"] == 0
 
 
-def test_the_buffer_never_holds_more_than_its_bound(fused, tmp_path: Path, native_only) -> None:
-    """Eight readers of different experts at once, a buffer of 4 MiB (two stretches): what it holds
-    stays within 4 MiB; what finds it full is read as if there were no buffer, and right."""
+def test_fills_never_hold_more_than_their_budget(fused, tmp_path: Path, native_only) -> None:
+    """Eight readers of different experts at once, a budget of 8 MiB (one expert's fill is 6): what
+    fills hold stays within it; what finds it spent is read as if there were no fills, and right."""
     primary, mirror, model = fused
     want = model.read_bytes()
     spans = [s for e in range(4) for s in extents_of(model, ExpertKey("blk", 1, e))]
     held, errors = [], []
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--extent-buffer-mib", "4") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--fill-mib", "8") as m:
         via = m.path / model.name
         drop_file_cache(via)
         done = threading.Event()
 
         def sample() -> None:
             while not done.is_set():
-                held.append(buffer_of(m)["bytes_held"])
+                held.append(fills_of(m)["bytes_held"])
                 time.sleep(0.002)
 
         def read(a: int, b: int) -> None:
@@ -113,37 +148,16 @@ def test_the_buffer_never_holds_more_than_its_bound(fused, tmp_path: Path, nativ
         done.set()
         sampler.join()
         assert not errors
-        assert max(held) <= 4 << 20, max(held)
-        buf = buffer_of(m)
-        assert buf["stretches_read"] >= 2 and buf["bytes_held"] <= 4 << 20, buf
-
-
-def test_one_touch_does_not_pin_the_rest_for_long(fused, tmp_path: Path, native_only) -> None:
-    primary, mirror, model = fused
-    want = model.read_bytes()
-    a = extents_of(model, ExpertKey("blk", 0, 1))[0][0]
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", *BUFFER) as m:
-        via = m.path / model.name
-        drop_file_cache(via)
-        first = -(-a // PAGE) * PAGE
-        with open(via, "rb", buffering=0) as f:
-            f.seek(first)
-            assert f.read(PAGE) == want[first : first + PAGE]  # one page of a 2 MiB extent
-            assert buffer_of(m)["bytes_held"] >= 1 << 20
-            deadline = time.monotonic() + 10  # a stretch unused for 1 s goes at the next request
-            while buffer_of(m)["bytes_held"] and time.monotonic() < deadline:
-                time.sleep(0.5)
-                drop_file_cache(via)
-                f.seek(0)
-                assert f.read(PAGE) == want[:PAGE]  # any page-cache request lets stale stretches go
-        assert buffer_of(m)["bytes_held"] == 0
+        assert max(held) <= 8 << 20, max(held)
+        fills = settled(m)
+        assert fills["fills_started"] >= 1 and fills["bytes_held"] == 0, fills
 
 
 @pytest.mark.daemon_warns("reading from the primary instead", "went down")
-@pytest.mark.parametrize("flags", [BUFFER, ()], ids=["buffer", "plain"])
-def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, native_only, flags) -> None:
+@pytest.mark.parametrize("flags", [(), ("--fill-mib", "0")], ids=["fills", "plain"])
+def test_a_mirror_failing_mid_fill_is_read_from_the_primary(tmp_path: Path, native_only, flags) -> None:
     """Errors, short reads and a hang (past --mirror-timeout) on the mirror while page-cache readers
-    go through the buffer (or without it): every byte the primary's, the failures counted."""
+    go through fills (or without them): every byte the primary's, the failures counted."""
     with through_faultfs(tmp_path, "--mirror-timeout", "1", *flags) as (primary, mnt, control):
         shards = sorted(primary.glob("*.safetensors"))
         for fault in ("ok", "eio", "short", "hang"):
@@ -153,10 +167,8 @@ def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, na
                 drop_file_cache(mnt / p.name)
                 assert (mnt / p.name).read_bytes() == p.read_bytes(), (fault, p.name)
             after = stats(mnt)
-            if flags:
-                assert (
-                    after["extent_buffer"]["requests_answered"] > before["extent_buffer"]["requests_answered"]
-                )
+            if not flags:
+                assert after["fills"]["fills_started"] > before["fills"]["fills_started"]
             if fault != "ok":
                 assert (
                     after["fallbacks"] > before["fallbacks"]
@@ -164,3 +176,72 @@ def test_a_mirror_failing_mid_extent_is_read_from_the_primary(tmp_path: Path, na
                 )
             control.write_text("ok")
         read_all(mnt, primary)
+
+
+def wait_for(what, deadline_s: float = 10) -> None:
+    deadline = time.monotonic() + deadline_s
+    while not what():
+        assert time.monotonic() < deadline, "not within the deadline"
+        time.sleep(0.02)
+
+
+def test_fills_read_only_what_the_page_cache_lacks(fused, tmp_path: Path, native_only) -> None:
+    """A reader holds the file open (so the daemon has its view of it); an expert read whole, then
+    the first half of each of its extents evicted: the next fill reads that half only."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    spans = extents_of(model, ExpertKey("blk", 0, 3))
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        with open(via, "rb", buffering=0) as f:
+            wait_for(lambda: fills_of(m)["views_open"] == 1)
+            first = -(-spans[0][0] // PAGE) * PAGE
+            f.seek(first)
+            assert f.read(PAGE) == want[first : first + PAGE]
+            settled(m)
+            for s, e in spans:
+                a = -(-s // PAGE) * PAGE
+                os.posix_fadvise(f.fileno(), a, (e - s) // 2 // PAGE * PAGE, os.POSIX_FADV_DONTNEED)
+            before = fills_of(m)
+            f.seek(first + PAGE)
+            assert f.read(PAGE) == want[first + PAGE : first + 2 * PAGE]
+            after = settled(m)
+            read = after["bytes_read"] - before["bytes_read"]
+            cached = after["bytes_left_as_cached"] - before["bytes_left_as_cached"]
+            assert read <= 0.6 * EXPERT and cached >= 0.4 * EXPERT, (read, cached)
+            for s, e in spans:
+                f.seek(s)
+                assert f.read(e - s) == want[s:e]
+        assert fills_of(m)["view_error"] == 0
+        wait_for(lambda: fills_of(m)["views_open"] == 0)  # the view goes with the reader
+
+
+@pytest.mark.parametrize("how", ["colifs", "umount"])
+def test_a_closed_reader_leaves_the_mount_free_to_unmount(fused, tmp_path: Path, native_only, how) -> None:
+    """The daemon's views pin a clone of the mount, never the mount: right after a reader closes the
+    file, `colifs umount` (or umount(8)) succeeds, every time, and the daemon exits."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    for i in range(8):
+        with mounted(primary, [mirror], tmp_path / f"mnt{i}", "--weights", "1,1") as m:
+            via = m.path / model.name
+            with open(via, "rb") as f:
+                wait_for(lambda: fills_of(m)["views_open"] == 1)
+                f.seek(len(want) // 2)
+                assert f.read(PAGE) == want[len(want) // 2 : len(want) // 2 + PAGE]
+            pid = m.stats()["pid"]
+            if how == "colifs":
+                out = run_colifs("umount", str(m.path))
+            else:
+                out = subprocess.run(["umount", str(m.path)], capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            wait_for(lambda pid=pid: _zombie(pid))
+
+
+def _zombie(pid: int) -> bool:
+    """Gone, or exited and not yet waited for."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z"
+    except (FileNotFoundError, IndexError):
+        return True

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from colifs import _native
-from colifs.native import EXTENT_BUFFER, PASSTHROUGH
+from colifs.native import FILLS, PASSTHROUGH
 
 BAD_ENGINE = """
 import gc, sys
@@ -103,7 +103,7 @@ COUNTER_FIELDS = {
     "drive_alone_ns": lambda r, k, f: r,
     "drive_spilled": lambda r, k, f: r,
     "fallbacks": lambda r, k, f: 2,  # fallbacks, late reads skipped
-    "stretch": lambda r, k, f: len(EXTENT_BUFFER),
+    "fill": lambda r, k, f: len(FILLS),
     "passthrough": lambda r, k, f: len(PASSTHROUGH),
     "key_bytes": lambda r, k, f: k * r,
     "key_reads": lambda r, k, f: k,

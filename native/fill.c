@@ -1,0 +1,655 @@
+/* Fills: reads ahead of page-cache readers (mmap faults, buffered reads). The kernel asks for such
+ * a reader's bytes one or two requests at a time; on a drive whose every read waits its latency
+ * that gets the reader a fraction of the drive, and the mirror sits idle. The first request into a
+ * routed expert starts a fill: the request's own bytes, then the rest of that expert's extents in
+ * the file (an engine reads an expert whole; at most FILL_MAX), less what the page cache already
+ * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
+ * FILL_PIECE on the drives the routes give them and queued at once: up to FILL_DEPTH reads in flight
+ * per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
+ * it (the one that started the fill, or later ones whose bytes the fill holds), or else is stored
+ * into the page cache (FUSE_NOTIFY_STORE): the reader's next fault there finds it, without asking.
+ * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
+ * embedding table is read a few rows at a time.
+ *
+ * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every fill's
+ * refs and left, and every piece's state and claim. A piece's bytes are written by its drive thread
+ * while it is P_READING and read (by a reply or a store) only once it is P_LANDED. Stores run on a
+ * thread of their own: a store waits for the page locks of a kernel request in flight over the
+ * same pages, and a request's answer waits only for drive threads, which never store. A fill's
+ * memory goes with its last reference: the list's (while it has pieces not done), each piece's
+ * (until done: read and then answered, stored or failed), each request answering from it.
+ */
+#define _GNU_SOURCE
+#include "engine.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <time.h>
+
+#define FILL_MAX (16u << 20)    /* the most a fill reads besides its request */
+#define MAX_IOV 64
+#define FILL_RANGES 64          /* the most extents one fill reads */
+#define VIEW_PAGES 1024         /* pages looked up in the page cache at a time */
+
+enum { P_QUEUED, P_READING, P_LANDED, P_FAILED };
+
+typedef struct fpiece {
+    struct fill *fl;
+    piece_t pc; /* start, end (BLOCK multiples), drive, dst (its unit); got once read */
+    int state, claimed, done;
+    uint32_t unit; /* of the arena: FILL_PIECE bytes */
+    struct fpiece *next; /* in its drive's queue, then in the store queue */
+} fpiece_t;
+
+typedef struct fill {
+    engine_t *e;
+    file_t *f;
+    int refs, listed;
+    size_t n, left; /* pieces; pieces not done */
+    uint64_t lo, hi; /* where its pieces lie: [lo, hi) */
+    fpiece_t *p;    /* the request's first, then in the order they are read */
+    struct fill *next;
+} fill_t;
+
+/* -- pieces: done, queued, stored ------------------------------------------------------------- */
+
+static void unlist_locked(engine_t *e, fill_t *fl);
+
+static void give_back_locked(engine_t *e, fill_t *fl) {
+    for (size_t i = 0; i < fl->n; i++)
+        e->fills.free_units[e->fills.nfree++] = fl->p[i].unit;
+    atomic_store(&e->ctr.fill[5], (uint64_t)(e->fills.nunits - e->fills.nfree) * FILL_PIECE);
+}
+
+/* Drops a reference; the fill, if that was the last (its units back in the arena), to be freed
+ * once the lock is dropped. */
+static fill_t *unref_locked(engine_t *e, fill_t *fl) {
+    if (--fl->refs > 0)
+        return NULL;
+    give_back_locked(e, fl);
+    return fl;
+}
+
+static void fill_free(engine_t *e, fill_t *fl) {
+    if (!fl)
+        return;
+    file_release(e, fl->f); /* may close descriptors: never under fills.m */
+    free(fl->p);
+    free(fl);
+}
+
+static fill_t *piece_done_locked(engine_t *e, fpiece_t *p) {
+    fill_t *fl = p->fl;
+    p->done = 1;
+    if (--fl->left == 0)
+        unlist_locked(e, fl); /* nothing more to answer from: its bytes are in the page cache */
+    return unref_locked(e, fl);
+}
+
+static void unlist_locked(engine_t *e, fill_t *fl) {
+    if (!fl->listed)
+        return;
+    fill_t **pp = &e->fills.list;
+    while (*pp != fl)
+        pp = &(*pp)->next;
+    *pp = fl->next;
+    fl->listed = 0;
+    fill_t *last = unref_locked(e, fl); /* never the last: the caller holds one */
+    (void)last;
+}
+
+static void push_locked(engine_t *e, fpiece_t *p, int urgent) {
+    int d = p->pc.drive;
+    p->next = NULL;
+    if (urgent) {
+        p->next = e->fills.head[d];
+        e->fills.head[d] = p;
+        if (!e->fills.tail[d])
+            e->fills.tail[d] = p;
+    } else {
+        if (e->fills.tail[d])
+            e->fills.tail[d]->next = p;
+        else
+            e->fills.head[d] = p;
+        e->fills.tail[d] = p;
+    }
+    pthread_cond_signal(&e->fills.work[d]);
+}
+
+/* A queued piece a request now waits for goes to the head of its drive's queue. */
+static void hurry_locked(engine_t *e, fpiece_t *p) {
+    int d = p->pc.drive;
+    fpiece_t **pp = &e->fills.head[d], *prev = NULL;
+    while (*pp && *pp != p) {
+        prev = *pp;
+        pp = &(*pp)->next;
+    }
+    if (!*pp || pp == &e->fills.head[d])
+        return;
+    *pp = p->next;
+    if (e->fills.tail[d] == p)
+        e->fills.tail[d] = prev;
+    push_locked(e, p, 1);
+}
+
+/* -- the drive threads and the store thread ---------------------------------------------------- */
+
+static fpiece_t *pop_locked(engine_t *e, fpiece_t **head, fpiece_t **tail, pthread_cond_t *c) {
+    while (!*head && !e->fills.stop)
+        pthread_cond_wait(c, &e->fills.m);
+    fpiece_t *p = *head;
+    if (p) {
+        *head = p->next;
+        if (!*head)
+            *tail = NULL;
+    }
+    return p;
+}
+
+/* Read one piece on this thread (a mirror's checked, and read again from the primary if it
+ * failed), then hand it to whoever waits for it, or to the store thread. */
+static void read_one(engine_t *e, fpiece_t *p) {
+    fill_t *fl = p->fl;
+    notes_t nt;
+    nt.n = 0;
+    reading_t how = {.count_from = p->pc.start, .count_to = p->pc.end};
+    int err = read_piece_here(e, fl->f, &p->pc, &how, &nt);
+    uint64_t want = min_u64(p->pc.end, fl->f->size) - p->pc.start;
+    pthread_mutex_lock(&e->fills.m);
+    p->state = !err && (uint64_t)p->pc.got == want ? P_LANDED : P_FAILED;
+    pthread_cond_broadcast(&e->fills.landed);
+    fill_t *gone = NULL;
+    if (p->state == P_LANDED && !p->claimed) {
+        p->next = NULL;
+        if (e->fills.store_tail)
+            e->fills.store_tail->next = p;
+        else
+            e->fills.store_head = p;
+        e->fills.store_tail = p;
+        pthread_cond_signal(&e->fills.store);
+    } else {
+        gone = piece_done_locked(e, p);
+    }
+    pthread_mutex_unlock(&e->fills.m);
+    send_notes(e, fl->f, &nt); /* held: the piece's reference keeps the fill and its file */
+    fill_free(e, gone);
+}
+
+static void store_one(engine_t *e, fpiece_t *p) {
+    pthread_mutex_lock(&e->fills.m);
+    int skip = p->claimed || e->fills.stop; /* a request answered it; or the session is closing */
+    pthread_mutex_unlock(&e->fills.m);
+    if (!skip) {
+        struct fuse_bufvec bv = FUSE_BUFVEC_INIT((size_t)p->pc.got);
+        bv.buf[0].mem = p->pc.dst;
+        if (fuse_lowlevel_notify_store(e->se, p->fl->f->ino, (off_t)p->pc.start, &bv, 0) == 0)
+            atomic_fetch_add(&e->ctr.fill[7], (uint64_t)p->pc.got);
+    }
+    pthread_mutex_lock(&e->fills.m);
+    fill_t *gone = piece_done_locked(e, p);
+    pthread_mutex_unlock(&e->fills.m);
+    fill_free(e, gone);
+}
+
+static void *worker_main(void *arg) {
+    fill_worker_t *w = arg;
+    engine_t *e = w->e;
+    int d = w->drive;
+    for (;;) {
+        pthread_mutex_lock(&e->fills.m);
+        fpiece_t *p = d < 0 ? pop_locked(e, &e->fills.store_head, &e->fills.store_tail, &e->fills.store)
+                            : pop_locked(e, &e->fills.head[d], &e->fills.tail[d], &e->fills.work[d]);
+        if (p && d >= 0)
+            p->state = P_READING;
+        pthread_mutex_unlock(&e->fills.m);
+        if (!p)
+            return NULL;
+        if (d < 0)
+            store_one(e, p);
+        else
+            read_one(e, p);
+    }
+}
+
+static int start_worker(engine_t *e, int drive) {
+    if (e->fills.nworkers == FILL_WORKERS)
+        return ENOMEM;
+    fill_worker_t *w = &e->fills.workers[e->fills.nworkers];
+    w->e = e;
+    w->drive = drive;
+    int err = pthread_create(&e->fills.threads[e->fills.nworkers], NULL, worker_main, w);
+    if (!err)
+        e->fills.nworkers++;
+    return err;
+}
+
+int fill_drive_start(engine_t *e, int d) {
+    if (!e->fills.budget)
+        return 0;
+    int err = 0;
+    for (int t = 0; t < FILL_DEPTH && !err; t++) {
+        err = start_worker(e, d);
+        pthread_mutex_lock(&e->fills.m);
+        e->fills.readers[d] += !err;
+        pthread_mutex_unlock(&e->fills.m);
+    }
+    return err;
+}
+
+int fills_start(engine_t *e) {
+    if (!e->fills.budget)
+        return 0;
+    int err = start_worker(e, -1);
+    for (int d = 0; !err && d < e->nrep; d++)
+        err = fill_drive_start(e, d);
+    return err;
+}
+
+/* The workers end once their queues are empty; one stuck in a read on a hung drive is detached
+ * (what it reads into stays allocated, and so does its fill). */
+void fills_stop(engine_t *e) {
+    if (!e->fills.nworkers)
+        return;
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += 5;
+    pthread_mutex_lock(&e->fills.m);
+    e->fills.stop = 1;
+    for (int d = 0; d < MAX_REPLICAS; d++)
+        pthread_cond_broadcast(&e->fills.work[d]);
+    pthread_cond_broadcast(&e->fills.store);
+    pthread_mutex_unlock(&e->fills.m);
+    for (int t = 0; t < e->fills.nworkers; t++) {
+        if (pthread_timedjoin_np(e->fills.threads[t], NULL, &deadline) != 0) {
+            pthread_detach(e->fills.threads[t]);
+            e->threads_left = 1;
+        }
+    }
+    e->fills.nworkers = 0;
+}
+
+/* No new fills while memory is short, and the arena's unused units go back to the system. */
+void fill_pause(engine_t *e, int paused) {
+    atomic_store(&e->fills.paused, paused);
+    if (!paused || !e->fills.nunits)
+        return;
+    pthread_mutex_lock(&e->fills.m);
+    for (size_t i = 0; i < e->fills.nfree; i++)
+        madvise(e->fills.arena + (size_t)e->fills.free_units[i] * FILL_PIECE, FILL_PIECE, MADV_DONTNEED);
+    pthread_mutex_unlock(&e->fills.m);
+}
+
+static int by_key(const void *x, const void *y, void *arg) {
+    const file_t *f = arg;
+    uint32_t a = *(const uint32_t *)x, b = *(const uint32_t *)y;
+    int32_t ka = f->seg_key[a], kb = f->seg_key[b];
+    if (ka != kb)
+        return ka < kb ? -1 : 1;
+    return a < b ? -1 : a > b;
+}
+
+/* Each file's routed-expert segments sorted by key (what a fill looks its extents up in). */
+static int index_experts(engine_t *e, file_t *f) {
+    size_t n = 0;
+    for (uint32_t i = 0; i < f->nseg; i++)
+        n += f->seg_key[i] >= 0 && e->key_expert[f->seg_key[i]];
+    if (!n)
+        return 0;
+    f->expert_seg = malloc(n * sizeof *f->expert_seg);
+    if (!f->expert_seg)
+        return ENOMEM;
+    for (uint32_t i = 0; i < f->nseg; i++)
+        if (f->seg_key[i] >= 0 && e->key_expert[f->seg_key[i]])
+            f->expert_seg[f->nexpert++] = i;
+    qsort_r(f->expert_seg, n, sizeof *f->expert_seg, by_key, f);
+    return 0;
+}
+
+/* The arena, mapped once: its pages are touched once and stay the daemon's (a fill's memory from
+ * malloc would grow every thread's heap). */
+static int map_arena(engine_t *e, size_t units) {
+    void *a = mmap(NULL, units * FILL_PIECE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    e->fills.free_units = malloc(units * sizeof(uint32_t));
+    if (a == MAP_FAILED || !e->fills.free_units) {
+        if (a != MAP_FAILED)
+            munmap(a, units * FILL_PIECE);
+        return ENOMEM;
+    }
+    for (size_t i = 0; i < units; i++) /* a stack: the units used last are used again (warm) */
+        e->fills.free_units[i] = (uint32_t)(units - 1 - i);
+    e->fills.arena = a;
+    e->fills.nunits = e->fills.nfree = units;
+    return 0;
+}
+
+int fill_init(engine_t *e, size_t budget) {
+    pthread_mutex_init(&e->fills.m, NULL);
+    pthread_cond_init(&e->fills.landed, NULL);
+    pthread_cond_init(&e->fills.store, NULL);
+    for (int d = 0; d < MAX_REPLICAS; d++)
+        pthread_cond_init(&e->fills.work[d], NULL);
+    for (size_t i = 0; i < e->nnodes; i++)
+        if (e->nodes[i].file >= 0)
+            e->files[e->nodes[i].file].ino = e->nodes[i].ino;
+    e->fills.budget = budget / FILL_PIECE * FILL_PIECE;
+    if (!e->fills.budget)
+        return 0;
+    for (size_t i = 0; i < e->nfiles; i++)
+        if (index_experts(e, &e->files[i]))
+            return ENOMEM;
+    return map_arena(e, e->fills.budget / FILL_PIECE);
+}
+
+/* After the loop. Units a fill stuck on a hung mirror holds are written by its detached thread:
+ * then the arena stays, to the exit. */
+void fill_free_arena(engine_t *e) {
+    if (!e->fills.arena || e->fills.nfree != e->fills.nunits)
+        return;
+    munmap(e->fills.arena, e->fills.nunits * FILL_PIECE);
+    free(e->fills.free_units);
+    e->fills.arena = NULL;
+    e->fills.free_units = NULL;
+}
+
+/* -- planning a fill ----------------------------------------------------------------------------- */
+
+typedef struct {
+    uint64_t a[2 * FILL_RANGES], b[2 * FILL_RANGES];
+    size_t n;
+    uint64_t total, cap;
+} ranges_t;
+
+static void append_range(ranges_t *r, uint64_t a, uint64_t b) {
+    if (a >= b || r->n == 2 * FILL_RANGES || r->total >= r->cap)
+        return;
+    b = min_u64(b, a + (r->cap - r->total));
+    r->a[r->n] = a;
+    r->b[r->n++] = b;
+    r->total += b - a;
+}
+
+/* [a, b) less what the listed fills of f read already, appended while under the cap. */
+static void add_range(engine_t *e, file_t *f, ranges_t *r, uint64_t a, uint64_t b) {
+    for (fill_t *x = e->fills.list; x && a < b; x = x->next) {
+        if (x->f != f || x->hi <= a || x->lo >= b)
+            continue;
+        for (size_t i = 0; i < x->n && a < b; i++) {
+            const piece_t *p = &x->p[i].pc;
+            if (p->end <= a || p->start >= b)
+                continue;
+            if (p->start > a) /* the part before the other fill's piece, then what follows it */
+                add_range(e, f, r, a, p->start);
+            a = p->end;
+        }
+    }
+    append_range(r, a, b);
+}
+
+/* [a, b) less the pages the page cache holds (view.c), added to r. */
+static void view_missing(engine_t *e, file_t *f, uint64_t a, uint64_t b, ranges_t *r) {
+    unsigned char vec[VIEW_PAGES];
+    while (a < b) {
+        uint64_t end = min_u64(b, a + (uint64_t)VIEW_PAGES * BLOCK), seen = a;
+        size_t n = view_cached(f, a, end, vec);
+        for (size_t i = 0, j; i < n; i = j) {
+            for (j = i; j < n && (vec[j] & 1) == (vec[i] & 1); j++)
+                ;
+            uint64_t s = a + i * BLOCK, t = min_u64(a + j * BLOCK, end);
+            if (vec[i] & 1)
+                atomic_fetch_add(&e->ctr.fill[8], t - s);
+            else
+                add_range(e, f, r, s, t);
+            seen = t;
+        }
+        add_range(e, f, r, seen, end); /* no view, or past what it maps */
+        a = end;
+    }
+}
+
+/* The key's extents in f, in file order, each [a, b): at most cap. */
+static size_t key_extents(const file_t *f, int32_t k, uint64_t *a, uint64_t *b, size_t cap) {
+    size_t n = 0, lo = 0, hi = f->nexpert;
+    while (lo < hi) { /* the first of the key's segments */
+        size_t mid = lo + (hi - lo) / 2;
+        if (f->seg_key[f->expert_seg[mid]] < k)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (size_t i = lo; i < f->nexpert && f->seg_key[f->expert_seg[i]] == k; i++) {
+        uint32_t s = f->expert_seg[i];
+        uint64_t end = s + 1 < f->nseg ? f->seg_start[s + 1] : f->size;
+        if (n && b[n - 1] == f->seg_start[s]) {
+            b[n - 1] = end; /* neighbouring segments of one extent */
+        } else if (n < cap) {
+            a[n] = f->seg_start[s];
+            b[n++] = end;
+        }
+    }
+    return n;
+}
+
+/* What a fill for a request [off, asked) into key k reads: the request's bytes, then the rest of
+ * the extent it is in, the key's extents after it, those before it, and last the part of its own
+ * extent before the request (a reader streams forwards); all less what the page cache holds. Of a
+ * file also open with O_DIRECT only the extent asked: such an engine reads the expert's weights
+ * direct and some of its tensors (scales) through the page cache (Colibri's DIRECT=1). */
+static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, ranges_t *r) {
+    uint64_t a[FILL_RANGES], b[FILL_RANGES];
+    uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
+    r->n = 0;
+    r->total = 0;
+    r->cap = FILL_MAX + (tail - head);
+    add_range(e, f, r, head, tail);
+    size_t n = key_extents(f, k, a, b, FILL_RANGES), first = 0;
+    while (first < n && b[first] <= off)
+        first++;
+    if (first == n)
+        return;
+    size_t whole = atomic_load(&f->direct_opens) ? 1 : n;
+    for (size_t j = 0; j < whole; j++) {
+        size_t i = (first + j) % n;
+        view_missing(e, f, j ? align_down_u64(a[i]) : tail, align_up_u64(b[i]), r);
+    }
+    view_missing(e, f, align_down_u64(a[first]), head, r);
+}
+
+/* The pieces of the ranges, on the drives the routes give them (the primary where a drive has no
+ * fill threads), at most FILL_PIECE each, in fl->p (dst not set yet). */
+static int cut(engine_t *e, fill_t *fl, const ranges_t *r) {
+    size_t cap = 0;
+    for (size_t i = 0; i < r->n; i++)
+        cap += runs_bound(fl->f, r->a[i], r->b[i]) + (r->b[i] - r->a[i]) / FILL_PIECE + 1;
+    piece_t *runs = malloc(cap * sizeof *runs);
+    fl->p = calloc(cap, sizeof *fl->p);
+    if (!runs || !fl->p) {
+        free(runs);
+        return 0;
+    }
+    for (size_t i = 0; i < r->n; i++) {
+        size_t nr = plan_runs(e, fl->f, r->a[i], r->b[i], r->b[i], r->a[i], 0, runs);
+        for (size_t j = 0; j < nr; j++) {
+            int d = e->fills.readers[runs[j].drive] ? runs[j].drive : 0;
+            for (uint64_t x = runs[j].start; x < runs[j].end;) {
+                uint64_t y = min_u64(runs[j].end, x + FILL_PIECE);
+                fl->p[fl->n++] = (fpiece_t){.fl = fl, .pc = {.start = x, .end = y, .drive = d}};
+                fl->lo = fl->n == 1 ? x : min_u64(fl->lo, x);
+                fl->hi = max_u64(fl->hi, y);
+                x = y;
+            }
+        }
+    }
+    free(runs);
+    return 1;
+}
+
+/* A unit of the arena for each piece, if there are enough. */
+static int take_units_locked(engine_t *e, fill_t *fl) {
+    if (fl->n > e->fills.nfree)
+        return 0;
+    for (size_t i = 0; i < fl->n; i++) {
+        fl->p[i].unit = e->fills.free_units[--e->fills.nfree];
+        fl->p[i].pc.dst = e->fills.arena + (size_t)fl->p[i].unit * FILL_PIECE;
+    }
+    atomic_store(&e->ctr.fill[5], (uint64_t)(e->fills.nunits - e->fills.nfree) * FILL_PIECE);
+    return 1;
+}
+
+/* A new fill for a request into key k's extent, listed, its pieces queued; or NULL. */
+static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked) {
+    ranges_t *r = malloc(sizeof *r);
+    fill_t *fl = calloc(1, sizeof *fl);
+    if (!r || !fl) {
+        free(r);
+        free(fl);
+        return NULL;
+    }
+    plan_ranges(e, f, k, off, asked, r);
+    *fl = (fill_t){.e = e, .f = f};
+    int ok = r->n && cut(e, fl, r);
+    uint64_t bytes = r->total;
+    free(r);
+    if (ok && !take_units_locked(e, fl)) {
+        atomic_fetch_add(&e->ctr.fill[6], 1);
+        ok = 0;
+    }
+    if (!ok || file_open(e, f) != 0) { /* the request's own open holds it: nothing is opened */
+        if (ok)
+            give_back_locked(e, fl);
+        free(fl->p);
+        free(fl);
+        return NULL;
+    }
+    atomic_fetch_add(&e->ctr.fill[0], 1);
+    atomic_fetch_add(&e->ctr.fill[1], bytes);
+    fl->left = fl->n;
+    fl->refs = (int)fl->n + 1; /* each piece's and the list's */
+    fl->listed = 1;
+    fl->next = e->fills.list;
+    e->fills.list = fl;
+    uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
+    for (size_t j = 0; j < fl->n; j++) {
+        fpiece_t *p = &fl->p[j];
+        atomic_fetch_add(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
+        p->claimed = p->pc.start < tail && p->pc.end > head; /* the request's own: answered, not stored */
+        if (!p->claimed)
+            push_locked(e, p, 0);
+    }
+    for (size_t j = fl->n; j-- > 0;) /* backwards: the request's own reach the queues' heads in order */
+        if (fl->p[j].claimed)
+            push_locked(e, &fl->p[j], 1);
+    return fl;
+}
+
+/* -- answering a request from a fill --------------------------------------------------------------- */
+
+/* The fill's pieces over [off, asked), in file order, if they cover it all; their count, or 0. */
+static size_t covering(fill_t *fl, uint64_t off, uint64_t asked, fpiece_t **out) {
+    size_t n = 0;
+    for (uint64_t at = off; at < asked;) {
+        fpiece_t *hit = NULL;
+        for (size_t i = 0; i < fl->n && !hit; i++)
+            if (fl->p[i].pc.start <= at && at < fl->p[i].pc.end)
+                hit = &fl->p[i];
+        if (!hit || n == MAX_IOV)
+            return 0;
+        out[n++] = hit;
+        at = hit->pc.end;
+    }
+    return n;
+}
+
+/* Whether a listed fill of f reads any byte of [off, asked). */
+static int overlaps_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked) {
+    for (fill_t *x = e->fills.list; x; x = x->next)
+        for (size_t i = 0; x->f == f && x->lo < asked && off < x->hi && i < x->n; i++)
+            if (x->p[i].pc.start < asked && off < x->p[i].pc.end)
+                return 1;
+    return 0;
+}
+
+static int wait_landed_locked(engine_t *e, fpiece_t **ps, size_t n, int *waited) {
+    struct timespec deadline;
+    if (e->mirror_timeout > 0) {
+        clock_gettime(CLOCK_MONOTONIC, &deadline);
+        uint64_t ns = (uint64_t)deadline.tv_nsec + (uint64_t)(e->mirror_timeout * 1e9);
+        deadline.tv_sec += (time_t)(ns / 1000000000ull);
+        deadline.tv_nsec = (long)(ns % 1000000000ull);
+    }
+    for (;;) {
+        int pending = 0;
+        for (size_t i = 0; i < n; i++) {
+            if (ps[i]->state == P_FAILED)
+                return -1;
+            pending |= ps[i]->state != P_LANDED;
+        }
+        if (!pending)
+            return 1;
+        *waited = 1;
+        if (e->mirror_timeout <= 0)
+            pthread_cond_wait(&e->fills.landed, &e->fills.m);
+        else if (pthread_cond_timedwait(&e->fills.landed, &e->fills.m, &deadline) == ETIMEDOUT)
+            return -1; /* a hung drive: the request reads the primary itself */
+    }
+}
+
+static void reply_from(fuse_req_t req, fpiece_t **ps, size_t n, uint64_t off, uint64_t asked) {
+    struct iovec iov[MAX_IOV];
+    for (size_t i = 0; i < n; i++) {
+        uint64_t a = max_u64(off, ps[i]->pc.start), b = min_u64(asked, ps[i]->pc.end);
+        iov[i].iov_base = ps[i]->pc.dst + (a - ps[i]->pc.start);
+        iov[i].iov_len = b - a;
+    }
+    fuse_reply_iov(req, iov, (int)n);
+}
+
+/* Called with the lock held; releases it. 1: answered; -1: a piece failed or is late. */
+static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, uint64_t asked,
+                         fpiece_t **ps, size_t n) {
+    fl->refs++;
+    for (size_t i = 0; i < n; i++) {
+        ps[i]->claimed = 1;
+        if (ps[i]->state == P_QUEUED)
+            hurry_locked(e, ps[i]);
+    }
+    int waited = 0;
+    int st = wait_landed_locked(e, ps, n, &waited);
+    pthread_mutex_unlock(&e->fills.m);
+    if (st > 0) {
+        reply_from(req, ps, n, off, asked);
+        atomic_fetch_add(&e->ctr.fill[2], 1);
+        atomic_fetch_add(&e->ctr.fill[3], (uint64_t)waited);
+        atomic_fetch_add(&e->ctr.fill[4], asked - off);
+    }
+    pthread_mutex_lock(&e->fills.m);
+    fill_t *gone = unref_locked(e, fl);
+    pthread_mutex_unlock(&e->fills.m);
+    fill_free(e, gone);
+    return st;
+}
+
+int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked) {
+    if (!e->fills.budget || !f->nexpert)
+        return 0;
+    fpiece_t *ps[MAX_IOV];
+    pthread_mutex_lock(&e->fills.m);
+    for (fill_t *x = e->fills.list; x; x = x->next) {
+        size_t n = x->f == f && x->lo <= off && asked <= x->hi ? covering(x, off, asked, ps) : 0;
+        if (n)
+            return answer_locked(e, x, req, off, asked, ps, n); /* unlocks */
+    }
+    uint32_t i = segment_at(f, off + (asked - off) / 2); /* a fault's read-around starts before it */
+    int32_t k = f->seg_key[i];
+    fill_t *fl = NULL;
+    if (k >= 0 && e->key_expert[k] && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
+        fl = start_locked(e, f, k, off, asked);
+    size_t n = fl ? covering(fl, off, asked, ps) : 0;
+    if (n)
+        return answer_locked(e, fl, req, off, asked, ps, n); /* unlocks */
+    pthread_mutex_unlock(&e->fills.m);
+    return 0;
+}
