@@ -1,6 +1,6 @@
 # Both targets set up everything they need on a fresh Debian/Ubuntu machine:
 # FUSE 3 (runtime + headers: pyfuse3 and colifs' native engine compile against them), a C compiler,
-# Python's headers, and a venv in .venv.
+# Python's headers, fio (the drive model's test measures it), and a venv in .venv.
 VENV ?= .venv
 STAMP := $(VENV)/.installed
 # Real GGUF files nobody here wrote: llama.cpp's vocabulary models, from the llama-cpp-python sdist.
@@ -41,10 +41,10 @@ PY_HEADERS := python3 -c "import os, sysconfig; raise SystemExit(not os.path.exi
 
 sysdeps:
 	@if ! command -v fusermount3 >/dev/null || ! pkg-config --exists fuse3 2>/dev/null \
-			|| ! command -v gcc >/dev/null || ! $(PY_HEADERS); then \
+			|| ! command -v gcc >/dev/null || ! command -v fio >/dev/null || ! $(PY_HEADERS); then \
 		$(SUDO) apt-get update -qq && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev pkg-config \
-			gcc python3-dev python3-venv; \
+			gcc python3-dev python3-venv fio; \
 	fi
 	@[ -e /dev/fuse ] || { echo "error: /dev/fuse is missing (modprobe fuse)"; exit 1; }
 
