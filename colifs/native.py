@@ -69,6 +69,11 @@ FILLS = (
     "bytes_left_as_cached",
     "views_open",
     "view_error",
+    "bytes_not_stored",
+    "store_error",
+    "requests_given_up",
+    "bytes_failed",
+    "requests_run_on",
 )
 
 # native/engine.h counters_t.passthrough, in order.

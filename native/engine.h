@@ -39,6 +39,7 @@ static inline uint64_t align_up_u64(uint64_t n) { return (n + BLOCK - 1) & ~(uin
 #define FILL_DEPTH 8              /* fill.c: reads in flight per drive (threads) */
 #define FILL_PIECE (256u << 10)   /* fill.c: a piece, and a unit of the fills' arena */
 #define FILL_WORKERS (1 + MAX_REPLICAS * FILL_DEPTH)
+#define FILL_RECENT 16             /* fill.c: a file's reads remembered, to tell readahead running on */
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
                           (unless its mirror comes back up: engine.epoch) */
@@ -79,6 +80,13 @@ typedef struct {
     char *name;
     uint64_t ino;
 } child_t;
+
+/* fill.c: bytes [lo, hi) read at `t` (mono_ns), of key `key`; or, from > 0, a run-on from that key's read,
+ * begun at `from`. */
+typedef struct {
+    uint64_t lo, hi, t, from;
+    int32_t key;
+} recent_t;
 
 typedef struct {
     char *relpath;
@@ -125,6 +133,8 @@ typedef struct {
     char *view_map;
     uint32_t *expert_seg;  /* the segments of routed experts, by key then offset (fill.c) */
     size_t nexpert;
+    recent_t recent[FILL_RECENT]; /* fill.c, under fills.m: the last reads of experts, a ring */
+    uint32_t nrecent;
 } file_t;
 
 struct job;
@@ -220,7 +230,11 @@ typedef struct {
                                              not started (the budget was spent), [7] bytes stored into
                                              the page cache, [8] bytes left out as cached already,
                                              [9] views open now (view.c), [10] the last errno a
-                                             view met (0: none) */
+                                             view met (0: none), [11] bytes a store failed, [12] the
+                                             last errno a store met, [13] requests that gave up on
+                                             a fill (a piece failed or was late), [14] bytes of
+                                             pieces that failed, [15] requests into an expert that
+                                             started no fill: they ran on from another key's read */
     _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
                                              offered it), [1] page-cache opens passed through, [2]
                                              page-cache opens served (their file was open for served

@@ -34,13 +34,16 @@
 #define MAX_IOV 64
 #define FILL_RANGES 64          /* the most extents one fill reads */
 #define VIEW_PAGES 1024         /* pages looked up in the page cache at a time */
+#define RUN_ON_NS (200ull * 1000000) /* a request this soon after the read it follows may run on from it */
+#define RUN_ON_REACH (512u << 10)     /* the kernel's readahead runs on at most two windows (2 x 256 KiB) */
 
 enum { P_QUEUED, P_READING, P_LANDED, P_FAILED };
 
 typedef struct fpiece {
     struct fill *fl;
     piece_t pc; /* start, end (BLOCK multiples), drive, dst (its unit); got once read */
-    int state, claimed, done;
+    int state, urgent, done;
+    uint64_t asked; /* its pages (bit i: the i-th BLOCK) a request answers: never stored */
     uint32_t unit; /* of the arena: FILL_PIECE bytes */
     struct fpiece *next; /* in its drive's queue, then in the store queue */
 } fpiece_t;
@@ -56,6 +59,20 @@ typedef struct fill {
 } fill_t;
 
 /* -- pieces: done, queued, stored ------------------------------------------------------------- */
+
+_Static_assert(FILL_PIECE / BLOCK == 64, "a piece's pages are the bits of a uint64_t");
+
+/* The bits of the piece's pages that [a, b) touches (a, b: BLOCK multiples, or b the file's end). */
+static uint64_t pages_in(const fpiece_t *p, uint64_t a, uint64_t b) {
+    a = max_u64(a, p->pc.start);
+    b = min_u64(align_up_u64(b), p->pc.end);
+    if (a >= b)
+        return 0;
+    unsigned i = (unsigned)((a - p->pc.start) / BLOCK), j = (unsigned)((b - p->pc.start) / BLOCK);
+    return (j == 64 ? ~0ull : (1ull << j) - 1) & ~((1ull << i) - 1);
+}
+
+static uint64_t pages_of(const fpiece_t *p) { return pages_in(p, p->pc.start, p->pc.end); }
 
 static void unlist_locked(engine_t *e, fill_t *fl);
 
@@ -154,16 +171,19 @@ static fpiece_t *pop_locked(engine_t *e, fpiece_t **head, fpiece_t **tail, pthre
  * failed), then hand it to whoever waits for it, or to the store thread. */
 static void read_one(engine_t *e, fpiece_t *p) {
     fill_t *fl = p->fl;
+    file_t *f = fl->f; /* of e->files: it outlives the fill, which may be gone once the piece is handed on */
     notes_t nt;
     nt.n = 0;
     reading_t how = {.count_from = p->pc.start, .count_to = p->pc.end};
-    int err = read_piece_here(e, fl->f, &p->pc, &how, &nt);
-    uint64_t want = min_u64(p->pc.end, fl->f->size) - p->pc.start;
+    int err = read_piece_here(e, f, &p->pc, &how, &nt);
+    uint64_t want = min_u64(p->pc.end, f->size) - p->pc.start;
     pthread_mutex_lock(&e->fills.m);
     p->state = !err && (uint64_t)p->pc.got == want ? P_LANDED : P_FAILED;
+    if (p->state == P_FAILED)
+        atomic_fetch_add(&e->ctr.fill[14], p->pc.end - p->pc.start);
     pthread_cond_broadcast(&e->fills.landed);
     fill_t *gone = NULL;
-    if (p->state == P_LANDED && !p->claimed) {
+    if (p->state == P_LANDED && ~p->asked & pages_of(p)) {
         p->next = NULL;
         if (e->fills.store_tail)
             e->fills.store_tail->next = p;
@@ -175,19 +195,39 @@ static void read_one(engine_t *e, fpiece_t *p) {
         gone = piece_done_locked(e, p);
     }
     pthread_mutex_unlock(&e->fills.m);
-    send_notes(e, fl->f, &nt); /* held: the piece's reference keeps the fill and its file */
+    send_notes(e, f, &nt); /* not fl->f: a stored piece's fill may be freed by now */
     fill_free(e, gone);
 }
 
+/* Bytes [a, b) of the piece into the page cache. */
+static void store_range(engine_t *e, fpiece_t *p, uint64_t a, uint64_t b) {
+    struct fuse_bufvec bv = FUSE_BUFVEC_INIT((size_t)(b - a));
+    bv.buf[0].mem = p->pc.dst + (a - p->pc.start);
+    int err = fuse_lowlevel_notify_store(e->se, p->fl->f->ino, (off_t)a, &bv, 0);
+    if (!err) {
+        atomic_fetch_add(&e->ctr.fill[7], b - a);
+    } else {
+        atomic_fetch_add(&e->ctr.fill[11], b - a);
+        atomic_store(&e->ctr.fill[12], (uint64_t)-err);
+    }
+}
+
+/* The piece's pages no request answers, into the page cache, in runs. */
 static void store_one(engine_t *e, fpiece_t *p) {
     pthread_mutex_lock(&e->fills.m);
-    int skip = p->claimed || e->fills.stop; /* a request answered it; or the session is closing */
+    uint64_t asked = e->fills.stop ? ~0ull : p->asked; /* the session is closing: nothing */
     pthread_mutex_unlock(&e->fills.m);
-    if (!skip) {
-        struct fuse_bufvec bv = FUSE_BUFVEC_INIT((size_t)p->pc.got);
-        bv.buf[0].mem = p->pc.dst;
-        if (fuse_lowlevel_notify_store(e->se, p->fl->f->ino, (off_t)p->pc.start, &bv, 0) == 0)
-            atomic_fetch_add(&e->ctr.fill[7], (uint64_t)p->pc.got);
+    uint64_t end = p->pc.start + (uint64_t)p->pc.got;
+    for (unsigned i = 0; p->pc.start + (uint64_t)i * BLOCK < end;) {
+        if (asked >> i & 1) {
+            i++;
+            continue;
+        }
+        unsigned j = i;
+        while (p->pc.start + (uint64_t)j * BLOCK < end && !(asked >> j & 1))
+            j++;
+        store_range(e, p, p->pc.start + (uint64_t)i * BLOCK, min_u64(p->pc.start + (uint64_t)j * BLOCK, end));
+        i = j;
     }
     pthread_mutex_lock(&e->fills.m);
     fill_t *gone = piece_done_locked(e, p);
@@ -328,7 +368,11 @@ static int map_arena(engine_t *e, size_t units) {
 
 int fill_init(engine_t *e, size_t budget) {
     pthread_mutex_init(&e->fills.m, NULL);
-    pthread_cond_init(&e->fills.landed, NULL);
+    pthread_condattr_t mono; /* a request's deadline is on the monotonic clock (wait_landed_locked) */
+    pthread_condattr_init(&mono);
+    pthread_condattr_setclock(&mono, CLOCK_MONOTONIC);
+    pthread_cond_init(&e->fills.landed, &mono);
+    pthread_condattr_destroy(&mono);
     pthread_cond_init(&e->fills.store, NULL);
     for (int d = 0; d < MAX_REPLICAS; d++)
         pthread_cond_init(&e->fills.work[d], NULL);
@@ -535,12 +579,12 @@ static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uin
     for (size_t j = 0; j < fl->n; j++) {
         fpiece_t *p = &fl->p[j];
         atomic_fetch_add(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
-        p->claimed = p->pc.start < tail && p->pc.end > head; /* the request's own: answered, not stored */
-        if (!p->claimed)
+        p->urgent = p->pc.start < tail && p->pc.end > head; /* the request's own */
+        if (!p->urgent)
             push_locked(e, p, 0);
     }
     for (size_t j = fl->n; j-- > 0;) /* backwards: the request's own reach the queues' heads in order */
-        if (fl->p[j].claimed)
+        if (fl->p[j].urgent)
             push_locked(e, &fl->p[j], 1);
     return fl;
 }
@@ -612,13 +656,15 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
                          fpiece_t **ps, size_t n) {
     fl->refs++;
     for (size_t i = 0; i < n; i++) {
-        ps[i]->claimed = 1;
+        ps[i]->asked |= pages_in(ps[i], off, asked);
         if (ps[i]->state == P_QUEUED)
             hurry_locked(e, ps[i]);
     }
     int waited = 0;
     int st = wait_landed_locked(e, ps, n, &waited);
     pthread_mutex_unlock(&e->fills.m);
+    if (st < 0)
+        atomic_fetch_add(&e->ctr.fill[13], 1);
     if (st > 0) {
         reply_from(req, ps, n, off, asked);
         atomic_fetch_add(&e->ctr.fill[2], 1);
@@ -632,6 +678,82 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
     return st;
 }
 
+/* -- which expert a request is for ----------------------------------------------------------------
+ *
+ * A fill reads a whole expert, so it must start only for an expert the engine reads, and the kernel
+ * asks for more than that. A fault's read-around is centred on the faulting page: for a fault at an
+ * expert's first byte, half of it lies in the extent before (sent as a request of its own when the
+ * kernel splits it: one that ends on the page where the expert begins). And the kernel's readahead
+ * runs on past the end of an extent an engine streams, up to two windows into the next one, which
+ * nobody may want. So a request is for the key at its middle, or for the expert that begins on the
+ * page after it; but one that starts where a read of another key lately ended runs on from that
+ * read, until it is RUN_ON_REACH past where the run-on began (then the engine reads on: it wants
+ * this key too). Requests that start no fill are remembered under the key they run on from, so a
+ * run-on is followed window by window. */
+
+typedef struct {
+    int32_t key;    /* the key the request is for, or -1: it runs on from `origin` */
+    int32_t origin; /* the key of the read it runs on from */
+    uint64_t from;  /* where the run-on began */
+} intent_t;
+
+static int32_t key_at(const file_t *f, uint64_t off) { return f->seg_key[segment_at(f, off)]; }
+
+static int is_expert(const engine_t *e, int32_t k) { return k >= 0 && e->key_expert[k]; }
+
+/* A read of f lately, of a key other than k, that ends where off begins, or NULL. */
+static const recent_t *read_before_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
+    for (size_t i = 0; i < FILL_RECENT; i++) {
+        const recent_t *r = &f->recent[i];
+        if (r->t && now - r->t < RUN_ON_NS && r->key != k && r->lo < off && off <= r->hi)
+            return r;
+    }
+    return NULL;
+}
+
+/* The key a request [off, asked) (BLOCK multiples) is for. */
+static intent_t intent_locked(const engine_t *e, const file_t *f, uint64_t off, uint64_t asked, uint64_t now) {
+    int32_t k = key_at(f, off + (asked - off) / 2);
+    if (asked < f->size) { /* the part of a read-around before its fault, at the next expert's first page */
+        int32_t next = key_at(f, min_u64(asked + BLOCK, f->size) - 1);
+        if (next != key_at(f, asked - 1) && is_expert(e, next))
+            k = next;
+    }
+    const recent_t *r = read_before_locked(f, off, k, now);
+    if (!r || (r->from && off - r->from >= RUN_ON_REACH))
+        return (intent_t){.key = k};
+    return (intent_t){.key = -1, .origin = r->key, .from = r->from ? r->from : off};
+}
+
+/* A read [a, b) just now, remembered (whole pages: the kernel asks for no less). */
+static void remember_locked(file_t *f, uint64_t a, uint64_t b, int32_t k, uint64_t from, uint64_t now) {
+    f->recent[f->nrecent++ % FILL_RECENT] =
+        (recent_t){.lo = align_down_u64(a), .hi = align_up_u64(b), .t = now, .key = k, .from = from};
+}
+
+/* A new fill for the request [off, asked) into the experts of f, or NULL: it is for no expert (it
+ * runs on from another key's read), a fill reads some of its bytes already, fills are paused or
+ * their budget is spent. */
+static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked) {
+    uint64_t now = mono_ns(), head = align_down_u64(off), tail = align_up_u64(asked);
+    intent_t it = intent_locked(e, f, head, tail, now);
+    if (!is_expert(e, it.key)) {
+        atomic_fetch_add(&e->ctr.fill[15], it.key < 0);
+        remember_locked(f, head, tail, it.key < 0 ? it.origin : it.key, it.from, now);
+        return NULL;
+    }
+    fill_t *fl = NULL;
+    if (!atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
+        fl = start_locked(e, f, it.key, off, asked);
+    uint64_t a[FILL_RANGES], b[FILL_RANGES];
+    size_t n = fl ? key_extents(f, it.key, a, b, FILL_RANGES) : 0;
+    for (size_t i = 0; i < n && i < FILL_RECENT / 2; i++)
+        remember_locked(f, a[i], b[i], it.key, 0, now); /* what it reads, or finds cached */
+    if (!fl)
+        remember_locked(f, head, tail, it.key, 0, now);
+    return fl;
+}
+
 int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked) {
     if (!e->fills.budget || !f->nexpert)
         return 0;
@@ -642,11 +764,7 @@ int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t as
         if (n)
             return answer_locked(e, x, req, off, asked, ps, n); /* unlocks */
     }
-    uint32_t i = segment_at(f, off + (asked - off) / 2); /* a fault's read-around starts before it */
-    int32_t k = f->seg_key[i];
-    fill_t *fl = NULL;
-    if (k >= 0 && e->key_expert[k] && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
-        fl = start_locked(e, f, k, off, asked);
+    fill_t *fl = fill_for_locked(e, f, off, asked);
     size_t n = fl ? covering(fl, off, asked, ps) : 0;
     if (n)
         return answer_locked(e, fl, req, off, asked, ps, n); /* unlocks */
