@@ -1006,6 +1006,12 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
          pc->status == RES_TIMEOUT, jb->gen, what);
 }
 
+void note_timeout(engine_t *e, notes_t *nt, int drive, uint64_t off) {
+    char msg[200];
+    snprintf(msg, sizeof msg, "timeout at %llu: no answer within %g s", (unsigned long long)off, e->mirror_timeout);
+    note(nt, EV_MIRROR_FAILED, drive, 1, 0, msg);
+}
+
 /* The mirror pieces' jobs, queued on their drives. Each job holds the file open until it is done:
  * a reading that gives up on a late job may release the file meanwhile, and a descriptor closed
  * under the job could be reused by any other open (a /dev/fuse clone, say) before its pread. */

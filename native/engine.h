@@ -303,6 +303,8 @@ typedef struct engine {
         pthread_cond_t landed;                /* a piece landed or failed */
         pthread_cond_t work[MAX_REPLICAS];    /* a piece queued on the drive */
         pthread_cond_t store;                 /* a piece to store */
+        pthread_cond_t stored;                /* the store in progress finished */
+        int storing, no_store;                /* a store runs; none from now on (fill_quiesce) */
         struct fill *list;
         struct fpiece *head[MAX_REPLICAS], *tail[MAX_REPLICAS];
         struct fpiece *store_head, *store_tail;
@@ -359,6 +361,7 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
  * gets. What failed is noted in nt, for send_notes once the caller holds no lock and has replied. */
 int read_pieces(engine_t *e, file_t *f, piece_t *pc, size_t n, const reading_t *how, notes_t *nt);
 void send_notes(engine_t *e, file_t *f, notes_t *nt);
+void note_timeout(engine_t *e, notes_t *nt, int drive, uint64_t off); /* a mirror gave no answer in time */
 /* One piece read on the calling thread from its drive (a mirror's checked as its jobs are, and read
  * again from the primary if it failed); its bytes were counted in e->queued at hand-out. 0, or the
  * primary's errno. */
@@ -368,6 +371,8 @@ uint64_t mono_ns(void);
 /* fill.c */
 int fill_init(engine_t *e, size_t budget); /* the files' expert index; budget 0: no fills */
 int fills_start(engine_t *e);              /* at mount: the store thread, FILL_DEPTH per drive */
+void fill_quiesce(engine_t *e);            /* before the loop is told to stop: no more stores, the
+                                              one in progress finished (its request is answered) */
 int fill_drive_start(engine_t *e, int d);  /* a mirror joined */
 void fills_stop(engine_t *e);
 void fill_pause(engine_t *e, int paused);

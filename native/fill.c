@@ -155,6 +155,14 @@ static void hurry_locked(engine_t *e, fpiece_t *p) {
 
 /* -- the drive threads and the store thread ---------------------------------------------------- */
 
+/* A piece that will not be read (the engine is closing): failed, and done. */
+static fill_t *drop_locked(engine_t *e, fpiece_t *p) {
+    p->state = P_FAILED;
+    pthread_cond_broadcast(&e->fills.landed);
+    atomic_fetch_sub(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
+    return piece_done_locked(e, p);
+}
+
 static fpiece_t *pop_locked(engine_t *e, fpiece_t **head, fpiece_t **tail, pthread_cond_t *c) {
     while (!*head && !e->fills.stop)
         pthread_cond_wait(c, &e->fills.m);
@@ -183,7 +191,8 @@ static void read_one(engine_t *e, fpiece_t *p) {
         atomic_fetch_add(&e->ctr.fill[14], p->pc.end - p->pc.start);
     pthread_cond_broadcast(&e->fills.landed);
     fill_t *gone = NULL;
-    if (p->state == P_LANDED && ~p->asked & pages_of(p)) {
+    if (p->state == P_LANDED && ~p->asked & pages_of(p) && !e->fills.stop) { /* the store thread
+                                                                                 takes it: it has not ended */
         p->next = NULL;
         if (e->fills.store_tail)
             e->fills.store_tail->next = p;
@@ -212,10 +221,13 @@ static void store_range(engine_t *e, fpiece_t *p, uint64_t a, uint64_t b) {
     }
 }
 
-/* The piece's pages no request answers, into the page cache, in runs. */
+/* The piece's pages no request answers, into the page cache, in runs. No store once the loop is
+ * told to stop (fill_quiesce): a store waits for the page locks of a request in flight, which only
+ * a FUSE worker answers. */
 static void store_one(engine_t *e, fpiece_t *p) {
     pthread_mutex_lock(&e->fills.m);
-    uint64_t asked = e->fills.stop ? ~0ull : p->asked; /* the session is closing: nothing */
+    uint64_t asked = e->fills.stop || e->fills.no_store ? ~0ull : p->asked;
+    e->fills.storing = 1;
     pthread_mutex_unlock(&e->fills.m);
     uint64_t end = p->pc.start + (uint64_t)p->pc.got;
     for (unsigned i = 0; p->pc.start + (uint64_t)i * BLOCK < end;) {
@@ -230,6 +242,8 @@ static void store_one(engine_t *e, fpiece_t *p) {
         i = j;
     }
     pthread_mutex_lock(&e->fills.m);
+    e->fills.storing = 0;
+    pthread_cond_broadcast(&e->fills.stored);
     fill_t *gone = piece_done_locked(e, p);
     pthread_mutex_unlock(&e->fills.m);
     fill_free(e, gone);
@@ -243,11 +257,17 @@ static void *worker_main(void *arg) {
         pthread_mutex_lock(&e->fills.m);
         fpiece_t *p = d < 0 ? pop_locked(e, &e->fills.store_head, &e->fills.store_tail, &e->fills.store)
                             : pop_locked(e, &e->fills.head[d], &e->fills.tail[d], &e->fills.work[d]);
-        if (p && d >= 0)
+        int closing = p && d >= 0 && e->fills.stop; /* its bytes could go nowhere: not read */
+        fill_t *gone = closing ? drop_locked(e, p) : NULL;
+        if (p && d >= 0 && !closing)
             p->state = P_READING;
         pthread_mutex_unlock(&e->fills.m);
         if (!p)
             return NULL;
+        if (closing) {
+            fill_free(e, gone);
+            continue;
+        }
         if (d < 0)
             store_one(e, p);
         else
@@ -287,6 +307,19 @@ int fills_start(engine_t *e) {
     for (int d = 0; !err && d < e->nrep; d++)
         err = fill_drive_start(e, d);
     return err;
+}
+
+void fill_quiesce(engine_t *e) {
+    if (!e->fills.nworkers)
+        return;
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    deadline.tv_sec += 5;
+    pthread_mutex_lock(&e->fills.m);
+    e->fills.no_store = 1;
+    while (e->fills.storing && pthread_cond_timedwait(&e->fills.stored, &e->fills.m, &deadline) == 0)
+        ;
+    pthread_mutex_unlock(&e->fills.m);
 }
 
 /* The workers end once their queues are empty; one stuck in a read on a hung drive is detached
@@ -372,6 +405,7 @@ int fill_init(engine_t *e, size_t budget) {
     pthread_condattr_init(&mono);
     pthread_condattr_setclock(&mono, CLOCK_MONOTONIC);
     pthread_cond_init(&e->fills.landed, &mono);
+    pthread_cond_init(&e->fills.stored, &mono);
     pthread_condattr_destroy(&mono);
     pthread_cond_init(&e->fills.store, NULL);
     for (int d = 0; d < MAX_REPLICAS; d++)
@@ -637,7 +671,7 @@ static int wait_landed_locked(engine_t *e, fpiece_t **ps, size_t n, int *waited)
         if (e->mirror_timeout <= 0)
             pthread_cond_wait(&e->fills.landed, &e->fills.m);
         else if (pthread_cond_timedwait(&e->fills.landed, &e->fills.m, &deadline) == ETIMEDOUT)
-            return -1; /* a hung drive: the request reads the primary itself */
+            return -2; /* a hung drive: the request reads the primary itself */
     }
 }
 
@@ -651,6 +685,32 @@ static void reply_from(fuse_req_t req, fpiece_t **ps, size_t n, uint64_t off, ui
     fuse_reply_iov(req, iov, (int)n);
 }
 
+/* The pieces queued on mirror d, to the primary's queue: d gave a request no answer in time, and
+ * what waits behind it there would wait as long. */
+static void reroute_locked(engine_t *e, int d) {
+    for (fpiece_t *p = e->fills.head[d], *next; p; p = next) {
+        next = p->next;
+        uint64_t len = p->pc.end - p->pc.start;
+        atomic_fetch_sub(&e->queued[d], len);
+        atomic_fetch_add(&e->queued[0], len);
+        p->pc.drive = 0;
+        push_locked(e, p, p->urgent);
+    }
+    e->fills.head[d] = e->fills.tail[d] = NULL;
+}
+
+/* A request gave up waiting for these pieces: the mirrors they wait on are noted (health counts the
+ * timeout) and their queues go to the primary. */
+static void late_locked(engine_t *e, fpiece_t **ps, size_t n, notes_t *nt) {
+    for (size_t i = 0; i < n; i++) {
+        int d = ps[i]->pc.drive;
+        if (d && (ps[i]->state == P_QUEUED || ps[i]->state == P_READING)) {
+            note_timeout(e, nt, d, ps[i]->pc.start);
+            reroute_locked(e, d);
+        }
+    }
+}
+
 /* Called with the lock held; releases it. 1: answered; -1: a piece failed or is late. */
 static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, uint64_t asked,
                          fpiece_t **ps, size_t n) {
@@ -662,6 +722,10 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
     }
     int waited = 0;
     int st = wait_landed_locked(e, ps, n, &waited);
+    notes_t nt;
+    nt.n = 0;
+    if (st == -2)
+        late_locked(e, ps, n, &nt);
     pthread_mutex_unlock(&e->fills.m);
     if (st < 0)
         atomic_fetch_add(&e->ctr.fill[13], 1);
@@ -671,11 +735,12 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
         atomic_fetch_add(&e->ctr.fill[3], (uint64_t)waited);
         atomic_fetch_add(&e->ctr.fill[4], asked - off);
     }
+    send_notes(e, fl->f, &nt); /* the request's reference holds the fill */
     pthread_mutex_lock(&e->fills.m);
     fill_t *gone = unref_locked(e, fl);
     pthread_mutex_unlock(&e->fills.m);
     fill_free(e, gone);
-    return st;
+    return st < 0 ? -1 : st;
 }
 
 /* -- which expert a request is for ----------------------------------------------------------------

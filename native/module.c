@@ -607,6 +607,9 @@ static PyObject *Engine_loop(EngineObject *self, PyObject *unused) {
 static PyObject *Engine_stop(EngineObject *self, PyObject *unused) {
     (void)unused;
     engine_t *e = &self->e;
+    Py_BEGIN_ALLOW_THREADS;
+    fill_quiesce(e);
+    Py_END_ALLOW_THREADS;
     if (e->se)
         fuse_session_exit(e->se);
     if (atomic_load(&e->looping))

@@ -97,6 +97,46 @@ def test_one_touch_stores_the_whole_expert(fused, tmp_path: Path, native_only) -
             assert served(m) - before <= 2 * PAGE, served(m) - before  # the extents' ragged ends
 
 
+def test_fills_start_only_for_the_experts_a_reader_reads(fused, tmp_path: Path, native_only) -> None:
+    """Reads without the kernel's readahead (POSIX_FADV_RANDOM: each request is exactly the pages
+    read). A page just past an expert read lately runs on from it (the kernel's readahead does
+    that) and starts no fill; reading on into that expert does, once. A request that ends on the
+    page where an expert begins (the first half of a fault's read-around) starts that expert's
+    fill: its extents are in the page cache after."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    one, two = (extents_of(model, ExpertKey("blk", 1, e)) for e in (1, 2))
+    assert one[0][1] == two[0][0]  # gate extents side by side
+    three = extents_of(model, ExpertKey("blk", 0, 2))  # a layer nothing read yet
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        with open(via, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+
+            def read(at: int, n: int = PAGE) -> None:
+                f.seek(at)
+                assert f.read(n) == want[at : at + n], at
+
+            read((one[0][0] + one[0][1]) // 2 // PAGE * PAGE)
+            assert settled(m)["fills_started"] == 1
+            past = -(-two[0][0] // PAGE) * PAGE  # the first whole page of expert 2
+            read(past)
+            fills = fills_of(m)
+            assert fills["fills_started"] == 1 and fills["requests_run_on"] == 1, fills
+            for at in range(past + PAGE, two[0][1] // PAGE * PAGE, PAGE):
+                read(at)
+            fills = settled(m)
+            assert fills["fills_started"] == 2 and fills["requests_run_on"] >= 1, fills
+            edge = three[0][0] // PAGE * PAGE  # the page where an expert begins
+            read(edge - 16 * PAGE, 16 * PAGE)
+            assert settled(m)["fills_started"] == 3
+            before = served(m)
+            for s, e in three:
+                read(s, e - s)
+            assert served(m) - before <= 2 * PAGE, served(m) - before  # the extents' ragged ends
+
+
 def test_direct_readers_and_a_zero_budget_never_fill(fused, tmp_path: Path, native_only) -> None:
     primary, mirror, model = fused
     want = model.read_bytes()
