@@ -24,7 +24,7 @@ from colifs.health import Health
 from colifs.kernel import Tuning
 from colifs.logs import RecentWarnings
 from colifs.namespace import Namespace
-from colifs.probe import ProbeResult, probe, table, weights_from
+from colifs.probe import ProbeResult, probe, read_wait, table, weights_from
 from colifs.readplan import Router
 from colifs.recorder import Tally, UsageRecorder, hidden, load_history, usage_file
 from colifs.reload import Reloader, Reloads, Weight
@@ -82,6 +82,11 @@ class _Routing:
     probe: tuple[dict, ...]
     partial: dict | None
     by_set: dict[tuple[int, ...], float] | None  # traffic per set of copies, when mirrors are partial
+
+    def probed_rates(self) -> list[float | None]:
+        """Each drive's probed bytes/s (None: not probed)."""
+        by_index = {p["path"]: p["mb_per_s"] for p in self.probe}
+        return [by_index[r.root] * 1e6 if by_index.get(r.root) else None for r in self.replicas]
 
     def probed_mb_per_s(self) -> float | None:
         """The drives' MB/s added, when the probe measured every one (copies on one drive share
@@ -315,6 +320,7 @@ class _Parts:
         stats = self._stats(counters, counters.in_flight, recorder, tuning)
         ns = self._namespace(stats)
         options = mount_options(cfg.allow_other, cfg.fuse_options)
+        waits = self._waits() if cfg.fill_mib > 0 else []
         engine = NativeEngine(
             ns,
             counters,
@@ -327,13 +333,26 @@ class _Parts:
             drive_threads=cfg.threads_per_drive,
             mirror_timeout=cfg.mirror_timeout,
             fill_mib=cfg.fill_mib,
+            waits=waits,
+            rates=self.routing.probed_rates(),
             passthrough=cfg.passthrough,
             queue_routing=cfg.routing == "queue",
         )
-        speeds = engine.set_speeds if cfg.routing == "queue" else None  # only queue routing uses them
-        adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, speeds)
+        adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, engine.set_speeds)
         reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
+
+    def _waits(self) -> list[float | None]:
+        """What a read of each drive waits before its bytes flow (colifs.depth): timed at mount unless
+        --no-probe (then fills run, as for drives that need them)."""
+        if self.cfg.probe_seconds <= 0:
+            return []
+        waits = [read_wait(r, list(self.files.values())) for r in self.routing.replicas]
+        log.info(
+            "a 4 KiB read waits %s",
+            ", ".join("-" if w is None else f"{w * 1e6:.0f} us" for w in waits),
+        )
+        return waits
 
 
 @dataclass(frozen=True)

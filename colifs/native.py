@@ -22,6 +22,7 @@ from colifs.backing import OsIO, TimedOut, check_read
 from colifs.balance import Activity
 from colifs.boundary import request_errno
 from colifs.catalogue import ServedFile
+from colifs.depth import in_flight, needs_depth
 from colifs.errors import MountError
 from colifs.formats.layout import ExpertKey, Key
 from colifs.health import Health
@@ -44,6 +45,14 @@ def memory_short(short: bool, share: float) -> bool:
     """Whether memory is short (fills paused), `share` of the RAM
     being available and `short` what was decided last (hysteresis)."""
     return share < MEMORY_OK if short else share < MEMORY_LOW
+
+
+def in_flight_text(replicas: Sequence[Replica], held: Sequence[float | None]) -> str:
+    """What each drive holds in flight at full speed, for the log."""
+    each = ("?" if h is None else f"{h / 1024:.0f} KiB" for h in held)
+    return "bytes in flight at full speed: " + ", ".join(
+        f"{r.role} {x}" for r, x in zip(replicas, each, strict=False)
+    )
 
 
 def memory_available() -> float | None:
@@ -241,6 +250,8 @@ class NativeEngine:
         drive_threads: int,
         mirror_timeout: float | None,
         fill_mib: int = 0,
+        waits: Sequence[float | None] = (),
+        rates: Sequence[float | None] = (),
         passthrough: bool = False,
         queue_routing: bool = False,
     ) -> None:
@@ -258,6 +269,10 @@ class NativeEngine:
         self._io = OsIO(direct=direct)
         self.minds_memory = fill_mib > 0
         self._memory_short = False
+        # colifs.depth: fills run while some drive needs reads in flight (unknown: they do)
+        self._waits = list(waits) or [None] * len(self.replicas)
+        self._rates = list(rates) or [None] * len(self.replicas)
+        self._depth = True
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
         self._seen_ok = [0] * len(self.replicas)
@@ -403,7 +418,10 @@ class NativeEngine:
         self.engine.set_root(drive, os.fsencode(root))
 
     def set_speeds(self, rates: list[float | None]) -> None:
-        """Each drive's measured bytes/s (None: not measured yet), for --routing queue."""
+        """Each drive's measured bytes/s (None: not measured yet), for --routing queue and for
+        whether the drives need fills (colifs.depth)."""
+        old = self._rates + [None] * len(rates)
+        self._rates = [new or was for new, was in zip(rates, old, strict=False)]
         self.engine.set_speeds([round(r) if r else 0 for r in rates])
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -439,19 +457,35 @@ class NativeEngine:
             while True:
                 self.mirrors.start_checks(checks, self._check_read)
                 if self.minds_memory:
-                    self._mind_memory()
+                    self._mind_fills()
                 await trio.sleep(WATCH_TICK)
 
-    def _mind_memory(self) -> None:
+    def _mind_fills(self) -> None:
         """Fills hold what nobody asked for yet and store it into the page cache: no new fills while
-        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK)."""
+        less than MEMORY_LOW of the RAM is available (back above MEMORY_OK), nor while no drive
+        needs reads in flight (colifs.depth)."""
         share = memory_available()
-        if share is None or memory_short(self._memory_short, share) == self._memory_short:
+        short = self._memory_short if share is None else memory_short(self._memory_short, share)
+        held = self._held()
+        depth = needs_depth(held, self._depth)
+        if (short, depth) == (self._memory_short, self._depth):
             return
-        self._memory_short = not self._memory_short
-        self.engine.set_memory_short(self._memory_short)
-        state = "paused" if self._memory_short else "resumed"
-        log.warning("fills %s: %.0f%% of the memory is available", state, 100 * share)
+        if short != self._memory_short:
+            log.warning(
+                "fills %s: %.0f%% of the memory is available", "paused" if short else "resumed", 100 * share
+            )
+        if depth != self._depth:
+            log.info("fills %s: %s", "on" if depth else "off", in_flight_text(self.replicas, held))
+        self._memory_short, self._depth = short, depth
+        self.engine.set_memory_short(short or not depth)
+
+    def _held(self) -> list[float | None]:
+        """What each drive holds in flight at full speed (colifs.depth); a mirror added since the
+        mount has no wait measured: not known."""
+        n = len(self.replicas)
+        waits = (self._waits + [None] * n)[:n]
+        rates = (self._rates + [None] * n)[:n]
+        return [in_flight(w, r) for w, r in zip(waits, rates, strict=True)]
 
     def _check_thread(self, drive: int) -> trio.CapacityLimiter:
         """One thread per mirror for its check reads, apart from the daemon's other threads. A check

@@ -17,7 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from colifs.backing import align_down
+from colifs.backing import BLOCK, align_down
 from colifs.catalogue import ServedFile
 from colifs.devices import as_one_drive
 from colifs.replicas import Replica
@@ -116,6 +116,29 @@ def probe_replica(
         t.join()
     elapsed = max(last[0] - t0, 1e-9)
     return ProbeResult(replica, done[0] / elapsed / 1e6, done[0], elapsed, direct[0])
+
+
+def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 16) -> float | None:
+    """How long a 4 KiB read of the replica's drive waits (the median of `reads`, O_DIRECT, spread
+    over its largest model files): what its bytes wait before they flow (colifs.depth). None: it
+    holds no model file, or its filesystem refuses O_DIRECT (RAM: nothing to wait for)."""
+    buf = mmap.mmap(-1, BLOCK)
+    times: list[float] = []
+    fds: dict[str, int] = {}
+    try:
+        for path, off in _targets(replica, files, reads):
+            if path not in fds:
+                fds[path], direct = _open(path)
+                if not direct:
+                    return None
+            t = time.perf_counter()
+            os.preadv(fds[path], [buf], off)
+            times.append(time.perf_counter() - t)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        buf.close()
+    return sorted(times)[len(times) // 2] if times else None
 
 
 def probe(
