@@ -1,7 +1,7 @@
-"""What the real-engine benchmarks (llama_decode.py, hf_load.py) share: the configurations they
-compare, the memory cgroup the engine runs in (the colifs daemon joins it: the pages it puts in the
-page cache count against the same RAM), one engine run there with cold caches, and one through a
-colifs mount with the bytes the daemon served and its CPU per GB.
+"""What the real-engine benchmarks (llama_decode.py, hf_load.py, colibri_decode.py) share: the
+configurations they compare, the memory cgroup the engine runs in (the colifs daemon joins it: the
+pages it puts in the page cache count against the same RAM), one engine run there with cold caches,
+and one through a colifs mount with the bytes the daemon served and its CPU per GB.
 """
 
 from __future__ import annotations
@@ -25,12 +25,31 @@ from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 
 
+def engine_python() -> str:
+    """The engines' interpreter: $ENGINE_PYTHON, else the checkout's .venv-engines (make bench-engines)."""
+    return os.environ.get("ENGINE_PYTHON", str(Path(__file__).parents[2] / ".venv-engines/bin/python"))
+
+
+def can_run(prog: str) -> bool:
+    """Root and cgroup v1 (blkio, memory), which the rig needs; if not, says so in one line."""
+    if os.geteuid() == 0 and MEMORY_ROOT.is_dir():
+        return True
+    print(f"{prog}: needs root and cgroup v1 (blkio, memory)", file=sys.stderr)
+    return False
+
+
+def set_readahead(rig: Rig, kb: int) -> None:
+    """The fast drive's readahead (a configuration's readahead_kb), for the opens that follow."""
+    Path(f"/sys/block/{rig.devnames()[0]}/queue/read_ahead_kb").write_text(f"{kb}\n")
+
+
 class Config(NamedTuple):
     label: str
     flags: list[str] | None  # colifs' (None: the fast drive read directly)
     readahead_kb: int  # the fast drive's
     drives: int = 2  # colifs over both drives, or over the fast one only
     again: bool = False  # measure the engine's second run on the mount (the first one unmeasured)
+    mirror: bool = False  # no colifs: the engine reads both drives itself (its own mirror, MIRROR_CONFIGS)
 
 
 CONFIGS = (
@@ -51,20 +70,24 @@ CONFIGS = (
     "expert",
     "stripe",
 )
+# Only for an engine that can read a mirror itself (Colibrì's COLI_MODEL_MIRROR): `rig_arguments`'
+# `known`. Not in CONFIGS, whose engines would read the fast drive alone under that name.
+MIRROR_CONFIGS = ("mirror",)
 
 
-def config_list(text: str) -> str:
+def config_list(text: str, known: tuple[str, ...] = CONFIGS) -> str:
     """An argparse type: configuration names, the baseline among them."""
-    unknown = set(text.split(",")) - set(CONFIGS)
+    unknown = set(text.split(",")) - set(known)
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; known: {', '.join(CONFIGS)}")
-    if not {n for n in CONFIGS if n.startswith("direct")} & set(text.split(",")):
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
+    if not {n for n in known if n.startswith("direct")} & set(text.split(",")):
         raise argparse.ArgumentTypeError("needs a direct configuration: the baseline")
     return text
 
 
-def rig_arguments(p: argparse.ArgumentParser, default_configs: str) -> None:
-    """The options every engine benchmark has: drive speeds, memory, repeats, configurations, JSON."""
+def rig_arguments(p: argparse.ArgumentParser, default_configs: str, known: tuple[str, ...] = CONFIGS) -> None:
+    """The options every engine benchmark has: drive speeds, memory, repeats, configurations, JSON;
+    `known`: the configurations this engine can run."""
     p.add_argument("--fast", type=float, default=150, help="the fast drive's MB/s (default 150)")
     p.add_argument("--slow", type=float, default=50, help="the slow drive's MB/s (default 50)")
     p.add_argument("--mem-mib", type=int, default=1200, help="the engine's memory cgroup (default 1200)")
@@ -72,8 +95,8 @@ def rig_arguments(p: argparse.ArgumentParser, default_configs: str) -> None:
     p.add_argument(
         "--configs",
         default=default_configs,
-        type=config_list,
-        help=f"the configurations to run, in order (known: {','.join(CONFIGS)}; default {default_configs})",
+        type=lambda text: config_list(text, known),
+        help=f"the configurations to run, in order (known: {','.join(known)}; default {default_configs})",
     )
     p.add_argument("--json", metavar="FILE", help="the results, saved after every run")
     p.add_argument("--ram", action="store_true", help="the drive images in /dev/shm (fast drives: 900 + 300)")
@@ -116,6 +139,7 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
         "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
+        "mirror": Config(f"the engine's own mirror, both drives ({w})", None, 128, mirror=True),
     }
     return [named[name] for name in names.split(",")]
 
@@ -144,14 +168,24 @@ def peak_rss_mib(pid: int) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) // 1024
 
 
-def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> dict:
-    """Caches dropped, `script` run by `py` inside the cgroup from its first instruction (the blkio
-    cgroup is inherited); its last output line is a JSON object."""
+def run_command_in_cgroup(
+    cmd: list[str], cg: MemoryCgroup, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Caches dropped, `cmd` run inside the cgroup from its first instruction (the blkio cgroup is
+    inherited), its output captured (bytes that are not UTF-8, e.g. an engine's text from random
+    weights, replaced); RuntimeError with the end of its stderr if it fails."""
     Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    cmd = ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh", py, "-c", script]
-    out = subprocess.run([*cmd, *argv], capture_output=True, text=True)
+    wrap = ["sh", "-c", f'echo $$ > {cg.path}/cgroup.procs && exec "$@"', "sh"]
+    out = subprocess.run([*wrap, *cmd], capture_output=True, text=True, errors="replace", env=env)
     if out.returncode:
         raise RuntimeError(out.stderr[-2000:])
+    return out
+
+
+def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> dict:
+    """`script` run by `py` in the cgroup (run_command_in_cgroup); its last output line is a JSON
+    object."""
+    out = run_command_in_cgroup([py, "-c", script, *argv], cg)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -180,6 +214,7 @@ def measured_mount(
         figures["byte_share"] = [x["byte_share"] for x in after["replicas"]]
         figures["daemon_peak_rss_mib"] = peak_rss_mib(pid)
         figures["readahead_kb_after"] = after["kernel"].get("read_ahead_kb")
+        figures["fills"] = after.get("fills")
 
 
 def one_run(
@@ -256,7 +291,7 @@ def interleaved(
                     results.setdefault(variant, {}).setdefault(config[0], []).append(r)
                     if args.json:
                         Path(args.json).write_text(
-                            json.dumps({"args": vars(args), "results": results}, indent=1)
+                            json.dumps({"args": vars(args), "results": results}, indent=1, default=str)
                         )
         return chosen, results
     finally:

@@ -20,7 +20,6 @@ dropped before every run; configurations interleaved; medians and min-max. Root 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from dual_drive import Rig
 from engines import (
-    MEMORY_ROOT,
     Config,
     MemoryCgroup,
+    can_run,
+    engine_python,
     interleaved,
     median_of,
     one_run,
     rig_arguments,
     run_in_cgroup,
+    set_readahead,
 )
 
 # Runs in the engine's interpreter: writes the checkpoint into argv[1].
@@ -109,7 +110,7 @@ def _limit(args: argparse.Namespace, loader: str, model: Path) -> int:
 def _one_run(
     py: str, rig: Rig, cg: MemoryCgroup, mnt: Path, args: argparse.Namespace, loader: str, config: Config
 ) -> dict:
-    Path(f"/sys/block/{rig.devnames()[0]}/queue/read_ahead_kb").write_text(f"{config[2]}\n")
+    set_readahead(rig, config.readahead_kb)
     limit = _limit(args, loader, rig.dirs[0])
     return one_run(
         rig.dirs, mnt, config, cg, limit, lambda root: run_in_cgroup(py, LOAD, [str(root), loader], cg)
@@ -148,9 +149,8 @@ def _print_results(
 
 def main() -> int:
     args = _parse()
-    py = os.environ.get("ENGINE_PYTHON", str(Path(__file__).parents[2] / ".venv-engines/bin/python"))
-    if os.geteuid() != 0 or not MEMORY_ROOT.is_dir():
-        print("hf-load: needs root and cgroup v1 (blkio, memory)", file=sys.stderr)
+    py = engine_python()
+    if not can_run("hf-load"):
         return 2
     check = subprocess.run([py, "-c", "import torch, transformers, safetensors"], capture_output=True)
     if check.returncode:

@@ -32,15 +32,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 from dual_drive import Rig
 from engines import (
     CONFIGS,
-    MEMORY_ROOT,
     Config,
     MemoryCgroup,
+    can_run,
+    engine_python,
     interleaved,
     measured_mount,
     median_of,
     one_run,
     rig_arguments,
     run_in_cgroup,
+    set_readahead,
 )
 
 # Runs in the engine's interpreter: load, decode, print one JSON line.
@@ -106,7 +108,7 @@ def _one_run(
     py: str, rig: Rig, cg: MemoryCgroup, mnt: Path, args: argparse.Namespace, mode: str, config: Config
 ) -> dict:
     """One engine run of one configuration, caches dropped, the drive's readahead set."""
-    Path(f"/sys/block/{rig.devnames()[0]}/queue/read_ahead_kb").write_text(f"{config[2]}\n")
+    set_readahead(rig, config.readahead_kb)
     limit = engine_memory(args, mode, rig.dirs[0] / "model.gguf")
     return one_run(
         rig.dirs, mnt, config, cg, limit, lambda root: run_engine(py, root / "model.gguf", args, mode, cg)
@@ -194,11 +196,10 @@ def _print_row(
 
 def main() -> int:
     args = _parse()
-    py = os.environ.get("ENGINE_PYTHON", str(Path(__file__).parents[2] / ".venv-engines/bin/python"))
+    py = engine_python()
     vocab = Path(os.environ.get("COLIFS_GGUF_VOCAB_DIR", Path(__file__).parents[2] / ".cache/gguf-vocab"))
     vocab /= "ggml-vocab-qwen2.gguf"
-    if os.geteuid() != 0 or not MEMORY_ROOT.is_dir():
-        print("llama-decode: needs root and cgroup v1 (blkio, memory)", file=sys.stderr)
+    if not can_run("llama-decode"):
         return 2
     if not vocab.is_file() or not Path(py).exists():
         print(f"llama-decode: needs {vocab} (make test) and {py} (make bench-engines)", file=sys.stderr)
