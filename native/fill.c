@@ -511,7 +511,19 @@ static size_t key_extents(const file_t *f, int32_t k, uint64_t *a, uint64_t *b, 
     return n;
 }
 
-/* What a fill for a request [off, asked) into key k reads: the request's bytes, then the rest of
+static int is_expert(const engine_t *e, int32_t k) { return k >= 0 && e->key_expert[k]; }
+
+/* Where the run of segments of one key that holds `at` ends: that tensor's end. */
+static uint64_t run_end(const file_t *f, uint64_t at) {
+    uint32_t s = segment_at(f, at);
+    while (s + 1 < f->nseg && f->seg_key[s + 1] == f->seg_key[s])
+        s++;
+    return s + 1 < f->nseg ? f->seg_start[s + 1] : f->size;
+}
+
+/* What a fill for a request [off, asked) into key k reads. Any other tensor a reader streams (each
+ * request starting where the last one ended): the request's bytes and the next FILL_MAX of the
+ * tensor. A routed expert: the request's bytes, then the rest of
  * the extent it is in, the key's extents after it, those before it, and last the part of its own
  * extent before the request (a reader streams forwards); all less what the page cache holds. Of a
  * file also open with O_DIRECT only the extent asked: such an engine reads the expert's weights
@@ -523,6 +535,10 @@ static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_
     r->total = 0;
     r->cap = FILL_MAX + (tail - head);
     add_range(e, f, r, head, tail);
+    if (!is_expert(e, k)) {
+        view_missing(e, f, tail, align_up_u64(min_u64(run_end(f, asked - 1), tail + FILL_MAX)), r);
+        return;
+    }
     size_t n = key_extents(f, k, a, b, FILL_RANGES), first = 0;
     while (first < n && b[first] <= off)
         first++;
@@ -757,14 +773,14 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
  * run-on is followed window by window. */
 
 typedef struct {
-    int32_t key;    /* the key the request is for, or -1: it runs on from `origin` */
-    int32_t origin; /* the key of the read it runs on from */
-    uint64_t from;  /* where the run-on began */
+    int32_t key;    /* the key the request is for (-1: plain bytes, a header) */
+    int run_on;     /* it runs on from a read of `origin`, begun at `from`: for no key */
+    int32_t origin;
+    uint64_t from;
 } intent_t;
 
 static int32_t key_at(const file_t *f, uint64_t off) { return f->seg_key[segment_at(f, off)]; }
 
-static int is_expert(const engine_t *e, int32_t k) { return k >= 0 && e->key_expert[k]; }
 
 /* A read of f lately, of a key other than k, that ends where off begins, or NULL. */
 static const recent_t *read_before_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
@@ -787,7 +803,7 @@ static intent_t intent_locked(const engine_t *e, const file_t *f, uint64_t off, 
     const recent_t *r = read_before_locked(f, off, k, now);
     if (!r || (r->from && off - r->from >= RUN_ON_REACH))
         return (intent_t){.key = k};
-    return (intent_t){.key = -1, .origin = r->key, .from = r->from ? r->from : off};
+    return (intent_t){.key = -1, .run_on = 1, .origin = r->key, .from = r->from ? r->from : off};
 }
 
 /* A read [a, b) just now, remembered (whole pages: the kernel asks for no less). */
@@ -796,31 +812,51 @@ static void remember_locked(file_t *f, uint64_t a, uint64_t b, int32_t k, uint64
         (recent_t){.lo = align_down_u64(a), .hi = align_up_u64(b), .t = now, .key = k, .from = from};
 }
 
-/* A new fill for the request [off, asked) into the experts of f, or NULL: it is for no expert (it
- * runs on from another key's read), a fill reads some of its bytes already, fills are paused or
- * their budget is spent. */
+/* Whether a read of key k lately ended where off begins: a reader streams through that tensor. */
+static int streams_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
+    for (size_t i = 0; i < FILL_RECENT; i++) {
+        const recent_t *r = &f->recent[i];
+        if (r->t && now - r->t < RUN_ON_NS && r->key == k && r->hi == off)
+            return 1;
+    }
+    return 0;
+}
+
+/* What a fill reads, remembered: a routed expert's extents, whole (what it finds cached too), or the
+ * stretch of a tensor it reads. */
+static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, int32_t k, uint64_t now) {
+    uint64_t a[FILL_RANGES], b[FILL_RANGES];
+    size_t n = is_expert(e, k) ? key_extents(f, k, a, b, FILL_RANGES) : 0;
+    for (size_t i = 0; i < n && i < FILL_RECENT / 2; i++)
+        remember_locked(f, a[i], b[i], k, 0, now);
+    if (!n)
+        remember_locked(f, fl->lo, fl->hi, k, 0, now);
+}
+
+/* A new fill for the request [off, asked), or NULL: it runs on from another key's read, it is no
+ * routed expert's and does not stream through its tensor, a fill reads some of its bytes already,
+ * fills are paused or their budget is spent. */
 static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked) {
     uint64_t now = mono_ns(), head = align_down_u64(off), tail = align_up_u64(asked);
     intent_t it = intent_locked(e, f, head, tail, now);
-    if (!is_expert(e, it.key)) {
-        atomic_fetch_add(&e->ctr.fill[15], it.key < 0);
-        remember_locked(f, head, tail, it.key < 0 ? it.origin : it.key, it.from, now);
+    if (it.run_on) {
+        atomic_fetch_add(&e->ctr.fill[15], 1);
+        remember_locked(f, head, tail, it.origin, it.from, now);
         return NULL;
     }
+    int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
     fill_t *fl = NULL;
-    if (!atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
+    if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
         fl = start_locked(e, f, it.key, off, asked);
-    uint64_t a[FILL_RANGES], b[FILL_RANGES];
-    size_t n = fl ? key_extents(f, it.key, a, b, FILL_RANGES) : 0;
-    for (size_t i = 0; i < n && i < FILL_RECENT / 2; i++)
-        remember_locked(f, a[i], b[i], it.key, 0, now); /* what it reads, or finds cached */
-    if (!fl)
+    if (fl)
+        remember_fill_locked(e, f, fl, it.key, now);
+    else
         remember_locked(f, head, tail, it.key, 0, now);
     return fl;
 }
 
 int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked) {
-    if (!e->fills.budget || !f->nexpert)
+    if (!e->fills.budget)
         return 0;
     fpiece_t *ps[MAX_IOV];
     pthread_mutex_lock(&e->fills.m);

@@ -23,6 +23,7 @@ from colifs.assemble import Assembly, assemble
 from colifs.backing import BLOCK, BackingIO
 from colifs.config import MountConfig
 from colifs.formats import format_of
+from colifs.formats.gguf import gguf_tensor_spans
 from colifs.formats.layout import ExpertKey
 from colifs.kernel import mount_type
 from colifs.pyfuse3.fs import ColiFS
@@ -261,6 +262,12 @@ def extents_of(path: Path, key: ExpertKey) -> list[tuple[int, int]]:
     fmt = format_of(path.name)
     assert fmt is not None
     return [(s, e) for s, e, k in fmt.read(str(path))[2].extents() if k == key]
+
+
+def tensor_spans(path: Path) -> list[tuple[int, int, str]]:
+    """Every tensor of a GGUF file: (start, end, name)."""
+    data = path.read_bytes()
+    return gguf_tensor_spans(data[: 64 << 20], len(data))
 
 
 def fused_model(tmp_path: Path, layers: int, inter: int) -> tuple[Path, Path, Path]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from colifs.formats.layout import ExpertKey
-from tests.helpers import drop_file_cache, extents_of, fused_model, mounted, run_colifs
+from tests.helpers import drop_file_cache, extents_of, fused_model, mounted, run_colifs, tensor_spans
 from tests.mount.test_faults import read_all, stats, through_faultfs
 
 pytestmark = pytest.mark.mounts
@@ -135,6 +135,30 @@ def test_fills_start_only_for_the_experts_a_reader_reads(fused, tmp_path: Path, 
             for s, e in three:
                 read(s, e - s)
             assert served(m) - before <= 2 * PAGE, served(m) - before  # the extents' ragged ends
+
+
+def test_a_reader_streaming_through_another_tensor_gets_a_fill(fused, tmp_path: Path, native_only) -> None:
+    """A tensor that is no routed expert (an attention weight), read page by page from its start
+    (POSIX_FADV_RANDOM: each request the page read): the first request starts no fill (an embedding
+    table is read a few rows at a time), the second, starting where the first ended, fills the rest of
+    the tensor: reading it on reaches no drive."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    (s, e) = next((s, e) for s, e, name in tensor_spans(model) if name == "blk.1.attn_q.weight")
+    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        with open(via, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            first = -(-s // PAGE) * PAGE
+            for at in (first, first + PAGE):
+                f.seek(at)
+                assert f.read(PAGE) == want[at : at + PAGE]
+            assert settled(m)["fills_started"] == 1
+            before = served(m)
+            f.seek(first + 2 * PAGE)
+            assert f.read(e - first - 2 * PAGE) == want[first + 2 * PAGE : e]
+            assert served(m) - before <= PAGE, served(m) - before  # the tensor's ragged end
 
 
 def test_direct_readers_and_a_zero_budget_never_fill(fused, tmp_path: Path, native_only) -> None:
