@@ -97,8 +97,10 @@ def parser() -> argparse.ArgumentParser:
         metavar="MIB",
         help="native engine: a page-cache reader's (mmap, buffered) first request into a routed expert "
         "reads the expert's pages the page cache lacks (up to 16 MiB) from every drive at once, each "
-        "piece answering the kernel's request that waits for it or stored into the page cache; fills "
-        f"hold at most this much memory (default: {DEFAULT_FILL_MIB}; 0: off)",
+        "piece answering the kernel's request that waits for it or stored into the page cache (so "
+        "does a reader streaming through any other tensor); fills run while some drive makes each "
+        "read wait (an NVMe: not a bandwidth cap) and hold at most this much memory (default: "
+        f"{DEFAULT_FILL_MIB}; 0: off)",
     )
     m.add_argument(
         "--store-root",
