@@ -269,10 +269,10 @@ class NativeEngine:
         self._io = OsIO(direct=direct)
         self.minds_memory = fill_mib > 0
         self._memory_short = False
-        # colifs.depth: fills run while some drive needs reads in flight (unknown: they do)
+        # colifs.depth: fills run unless no drive needs reads in flight (None: not decided yet)
         self._waits = list(waits) or [None] * len(self.replicas)
         self._rates = list(rates) or [None] * len(self.replicas)
-        self._depth = True
+        self._depth: bool | None = None
         self._warn = WarnOnce()
         self.mirrors = MirrorPolicy(self.replicas, health, counters.files, self._set_up)
         self._seen_ok = [0] * len(self.replicas)
@@ -474,10 +474,10 @@ class NativeEngine:
             log.warning(
                 "fills %s: %.0f%% of the memory is available", "paused" if short else "resumed", 100 * share
             )
-        if depth != self._depth:
+        if depth is not None and depth != self._depth:
             log.info("fills %s: %s", "on" if depth else "off", in_flight_text(self.replicas, held))
         self._memory_short, self._depth = short, depth
-        self.engine.set_memory_short(short or not depth)
+        self.engine.set_memory_short(short or depth is False)
 
     def _held(self) -> list[float | None]:
         """What each drive holds in flight at full speed (colifs.depth); a mirror added since the
