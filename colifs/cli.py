@@ -117,13 +117,25 @@ def parser() -> argparse.ArgumentParser:
         help="a Hugging Face cache repository directory (models--ORG--NAME) given as a replica serves "
         "the snapshot of this ref or commit (default: main)",
     )
-    m.add_argument(
+    pt = m.add_mutually_exclusive_group()
+    pt.add_argument(
         "--passthrough",
-        action="store_true",
-        help="native engine, Linux 6.9+: page-cache opens (mmap, buffered; not O_DIRECT) are read by the "
-        "kernel from the primary itself (FUSE passthrough): the fast drive's own speed at no daemon "
-        "CPU, without the mirrors' bandwidth; for drives faster than the daemon can copy "
-        "(see docs/benchmarks.md); what they read is not in the per-drive counts",
+        dest="passthrough",
+        action="store_const",
+        const="always",
+        default="auto",
+        help="native engine, Linux 6.9+, root: every page-cache open (mmap, buffered; not O_DIRECT) is "
+        "read by the kernel from the primary itself (FUSE passthrough): the fast drive's own speed at "
+        "no daemon CPU, without the mirrors' bandwidth; for drives faster than the daemon can copy "
+        "(see docs/benchmarks.md); what they read is not in the per-drive counts. By default only "
+        "the files no mirror holds pass through, while the drives need no reads ahead (no fills)",
+    )
+    pt.add_argument(
+        "--no-passthrough",
+        dest="passthrough",
+        action="store_const",
+        const="never",
+        help="the daemon serves every open, also of files no mirror holds",
     )
     m.add_argument(
         "--engine",

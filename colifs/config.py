@@ -44,7 +44,9 @@ class MountConfig:
     backing_io: str = "direct"  # or "buffered"
     routing: str = "queue"  # or "stripe", "expert" (docs/benchmarks.md: runs 9, 54)
     fill_mib: int = DEFAULT_FILL_MIB  # native engine: reads ahead of page-cache readers (0: off)
-    passthrough: bool = False  # native engine: page-cache opens read by the kernel from the primary
+    # native engine: page-cache opens read by the kernel from the primary: "always", "never", or
+    # "auto": those of files no mirror holds while the drives need no reads ahead (colifs.depth)
+    passthrough: str = "auto"
     store_roots: list[str] = field(default_factory=list)  # symlinks into these are served as files
     revision: str = "main"  # the snapshot a Hugging Face cache repository directory serves
     engine: str = "native"  # or "pyfuse3": the portable reference engine
@@ -139,7 +141,7 @@ def _check_choices(args: argparse.Namespace) -> None:
         raise UsageError("--fixed-weights keeps the weights as mounted: not with --adaptive-weights")
     if args.routing == "queue" and args.engine != "native":
         raise UsageError("--routing queue needs the native engine (--engine native)")
-    if args.passthrough and args.engine != "native":
+    if args.passthrough == "always" and args.engine != "native":
         raise UsageError("--passthrough needs the native engine (--engine native)")
 
 

@@ -85,6 +85,8 @@ FILLS = (
     "requests_run_on",
 )
 
+# native/engine.h PT_NEVER, PT_AUTO, PT_ALWAYS (colifs.config.MountConfig.passthrough).
+PASSTHROUGH_MODES = ("never", "auto", "always")
 # native/engine.h counters_t.passthrough, in order.
 PASSTHROUGH = (
     "asked_at_init",
@@ -252,7 +254,7 @@ class NativeEngine:
         fill_mib: int = 0,
         waits: Sequence[float | None] = (),
         rates: Sequence[float | None] = (),
-        passthrough: bool = False,
+        passthrough: str = "never",
         queue_routing: bool = False,
     ) -> None:
         self.replicas: list[Replica] = ns.replicas
@@ -302,9 +304,11 @@ class NativeEngine:
             routes=route_columns(router.weights),
             expert_keys=bytes(isinstance(k, ExpertKey) for k in counters.keys),
             fill_mib=fill_mib,
-            passthrough=passthrough,
+            passthrough=PASSTHROUGH_MODES.index(passthrough),
             queue_routing=queue_routing,
         )
+        self.passthrough = passthrough
+        self._decide_depth(first=True)
 
     # -- tables ------------------------------------------------------------------------------
 
@@ -375,7 +379,10 @@ class NativeEngine:
             log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", text)
             return
         if kind == _native.EV_NO_PASSTHROUGH:
-            log.warning("--passthrough: %s; page-cache opens are served by the daemon", text)
+            if self.passthrough == "always":
+                log.warning("--passthrough: %s; page-cache opens are served by the daemon", text)
+            else:  # the default asked in case a file no mirror holds is best read by the kernel
+                log.info("passthrough: %s; page-cache opens are served by the daemon", text)
             return
         assert f is not None
         if kind == _native.EV_NO_FDS:
@@ -466,18 +473,27 @@ class NativeEngine:
         needs reads in flight (colifs.depth)."""
         share = memory_available()
         short = self._memory_short if share is None else memory_short(self._memory_short, share)
-        held = self._held()
-        depth = needs_depth(held, self._depth)
-        if (short, depth) == (self._memory_short, self._depth):
-            return
         if short != self._memory_short:
             log.warning(
                 "fills %s: %.0f%% of the memory is available", "paused" if short else "resumed", 100 * share
             )
-        if depth is not None and depth != self._depth:
+            self._memory_short = short
+            self.engine.set_memory_short(short or self._depth is False)
+        self._decide_depth()
+
+    def _decide_depth(self, first: bool = False) -> None:
+        """Fills run unless the drives need no reads in flight (colifs.depth); where they do not, a
+        file no mirror holds is read best by the kernel from the primary itself (passthrough auto):
+        decided at construction when the probe timed the drives, else once they served."""
+        held = self._held()
+        depth = needs_depth(held, self._depth) if self.minds_memory else False
+        if depth == self._depth and not first:
+            return
+        if depth is not None and self.minds_memory:
             log.info("fills %s: %s", "on" if depth else "off", in_flight_text(self.replicas, held))
-        self._memory_short, self._depth = short, depth
-        self.engine.set_memory_short(short or depth is False)
+        self._depth = depth
+        self.engine.set_memory_short(self._memory_short or depth is False)
+        self.engine.set_passthrough_allowed(depth is False)
 
     def _held(self) -> list[float | None]:
         """What each drive holds in flight at full speed (colifs.depth); a mirror added since the

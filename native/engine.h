@@ -259,7 +259,10 @@ typedef struct engine {
                                              passed): descriptors opened before are opened again */
     _Atomic uint32_t no_direct_warned;
     uint8_t *key_expert;       /* nkeys: 1 for routed experts (the keys fills work on) */
-    int passthrough;           /* page-cache opens pass through to the primary (passthrough.c) */
+    int passthrough;           /* PT_NEVER, PT_AUTO, PT_ALWAYS: which page-cache opens pass through
+                                  to the primary (passthrough.c) */
+    _Atomic int pt_allow;      /* PT_AUTO: Python found nothing to beat the primary read by the kernel
+                                  for a file no mirror holds (no fills: its drives need no depth) */
     int queue_routing;         /* each piece to the drive that reads it first (drives.c quickest) */
     _Atomic uint64_t queued[MAX_REPLICAS]; /* bytes handed to each drive and not read yet */
     _Atomic uint64_t speed[MAX_REPLICAS];  /* bytes/s each drive delivered lately (Python measures; 0: not known) */
@@ -407,6 +410,7 @@ void view_reader(engine_t *e, file_t *f, int delta); /* a page-cache reader's op
 size_t view_cached(const file_t *f, uint64_t a, uint64_t b, unsigned char *vec);
 
 /* passthrough.c */
+enum { PT_NEVER, PT_AUTO, PT_ALWAYS };
 int passthrough_setup(engine_t *e); /* after fuse_session_mount; 0 or an errno */
 /* A kernel open of f: whether it passes through (*backing_id > 0, for passthrough_reply_next) or is
  * served; either holds a descriptor reference (file_open). 0 or an errno. */

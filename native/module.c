@@ -501,7 +501,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|y*npp", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|y*nip", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
                                      &experts, &fill_mib, &passthrough, &queue_routing))
@@ -520,6 +520,10 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     if (load_replicas(e, roots, routes_fit ? route_bytes : NULL, route_len, counts_ok))
         return -1;
     e->direct_io = direct;
+    if (passthrough < PT_NEVER || passthrough > PT_ALWAYS) {
+        PyErr_SetString(PyExc_ValueError, "passthrough: 0 never, 1 auto, 2 always");
+        return -1;
+    }
     e->passthrough = passthrough;
     e->queue_routing = queue_routing;
     e->fuse_threads = fuse_threads;
@@ -552,7 +556,7 @@ static PyObject *Engine_mount(EngineObject *self, PyObject *unused) {
         return NULL;
     }
     self->mounted = 1;
-    if (e->passthrough && (res = passthrough_setup(e)) != 0) {
+    if (e->passthrough != PT_NEVER && (res = passthrough_setup(e)) != 0) {
         errno = res;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -759,6 +763,14 @@ static PyObject *Engine_set_speeds(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *Engine_set_passthrough_allowed(EngineObject *self, PyObject *args) {
+    int allowed;
+    if (!PyArg_ParseTuple(args, "p", &allowed))
+        return NULL;
+    atomic_store(&self->e.pt_allow, allowed);
+    Py_RETURN_NONE;
+}
+
 static PyObject *Engine_set_memory_short(EngineObject *self, PyObject *args) {
     int is_short;
     if (!PyArg_ParseTuple(args, "p", &is_short))
@@ -876,6 +888,9 @@ static PyMethodDef Engine_methods[] = {
      "set_root(drive, root): a removed mirror's slot serves another directory (no copy in use)."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
+    {"set_passthrough_allowed", (PyCFunction)Engine_set_passthrough_allowed, METH_VARARGS,
+     "set_passthrough_allowed(allowed): with passthrough auto, whether the page-cache opens of a file "
+     "no mirror holds pass through (from the next open of a file not open)."},
     {"set_memory_short", (PyCFunction)Engine_set_memory_short, METH_VARARGS,
      "set_memory_short(short): pause (or resume) new fills."},
     {"close", (PyCFunction)Engine_close, METH_NOARGS, "Unmount and free the session (after loop())."},

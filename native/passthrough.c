@@ -1,7 +1,10 @@
 /* Passthrough for page-cache opens (--passthrough): the kernel reads the primary's file itself
  * (FUSE passthrough, Linux 6.9+), so an mmap or buffered reader gets the primary's own speed with
  * no request, no copy and no daemon CPU. It does not get the mirrors' bandwidth, and what it reads
- * is not counted (the daemon never sees it).
+ * is not counted (the daemon never sees it). PT_ALWAYS passes every page-cache open through;
+ * PT_AUTO (the default) only those of a file no mirror holds, while Python says fills would not
+ * beat the kernel's own reads (pt_allow: the drives need no depth, colifs.depth): there the
+ * daemon could only add its cost to the primary's speed.
  *
  * libfuse 3.14 has no API for it (3.17 has fuse_passthrough_open): two hooks on the session's
  * device I/O (fuse_session_custom_io, libfuse 3.13+) ask for it in the INIT reply (flags2
@@ -136,13 +139,19 @@ static int32_t backing_open(engine_t *e, file_t *f) {
 
 enum { SERVED, PASSED };
 
+/* Whether a page-cache open of f is to pass through, if the kernel lets it. */
+static int wants_passthrough(engine_t *e, file_t *f) {
+    return e->passthrough == PT_ALWAYS ||
+           (e->passthrough == PT_AUTO && atomic_load(&f->mask) == 1 && atomic_load(&e->pt_allow));
+}
+
 /* The mode of a kernel open of f (f->lock held, f open): PASSED or SERVED. A refusal that would
  * repeat (no CAP_SYS_ADMIN, a primary on a stacked filesystem: ELOOP) stops passthrough for the
  * mount, said once in why; running out of descriptors or memory does not. */
 static int mode_for(engine_t *e, file_t *f, int cached, char *why, size_t n) {
     if (f->pt_opens > 0)
         return PASSED;
-    if (!cached || !e->passthrough || f->served_opens > 0 || atomic_load(&e->pt_refused) ||
+    if (!cached || !wants_passthrough(e, f) || f->served_opens > 0 || atomic_load(&e->pt_refused) ||
         !atomic_load(&e->ctr.passthrough[0]))
         return SERVED;
     int32_t id = backing_open(e, f);
@@ -168,7 +177,7 @@ int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
             atomic_fetch_add(&e->ctr.passthrough[1], 1);
     } else if (!err) {
         f->served_opens++;
-        if (cached && e->passthrough)
+        if (cached && wants_passthrough(e, f))
             atomic_fetch_add(&e->ctr.passthrough[2], 1);
     }
     pthread_mutex_unlock(&f->lock);

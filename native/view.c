@@ -54,8 +54,8 @@ int views_init(engine_t *e) {
     e->views.clone = -1;
     for (size_t i = 0; i < e->nfiles; i++)
         e->files[i].view_fd = -1;
-    if (!e->fills.budget || e->passthrough) /* nothing to look at; and a view open would be served,
-                                               which keeps page-cache opens from passing through */
+    if (!e->fills.budget || e->passthrough == PT_ALWAYS) /* nothing to look at; and a view open would
+                                               be served, which keeps page-cache opens from passing through */
         return 0;
     e->views.queue = calloc(e->nfiles ? e->nfiles : 1, sizeof(file_t *));
     if (!e->views.queue)

@@ -1,17 +1,21 @@
 """Fills where they matter (native engine): on drives with latency (contrib/bench/latency_drive.py),
 where one request in flight gets a fraction of a drive, a page-cache reader gets more through the
 mount than from the fast drive read directly; and under memory pressure, where stored pages are
-evicted before the reader comes to them, every byte is still the primary's."""
+evicted before the reader comes to them, every byte is still the primary's. Where the drives need
+no depth (a bandwidth cap: one request in flight gets the whole drive) fills stay off, and a file
+no mirror holds passes through to the primary by default."""
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -29,6 +33,7 @@ MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 LIMIT_MIB = 64  # the daemon's and an mmap reader's, for a 96 MiB model
 LAYERS, EXPERTS, INTER = 8, 4, 1024  # experts of three 2 MiB extents: 192 MiB
 RATES = (900, 300)  # MB/s: the rigs' fast and slow drive
+CAPPED = 200  # MB/s: a drive with no latency, only a rate (4 KiB waits ~40 us: ~8 KB in flight)
 
 
 @pytest.fixture
@@ -48,9 +53,10 @@ def _drive(tmp_path: Path, name: str) -> tuple[LatencyDrive, Path]:
     return drive, fs
 
 
-@pytest.fixture
-def latency_pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """Two drives with latency holding the same fused model (`model/m.gguf`), fast and slow."""
+@contextmanager
+def _pair(tmp_path: Path, latency: bool, solo: bool = False) -> Iterator[tuple[Path, Path]]:
+    """Two drives holding the same fused model (`model/m.gguf`), fast and slow: with latency, or
+    capped at CAPPED MB/s each with none; `solo`: also `model/solo.gguf`, on the fast drive only."""
     if os.geteuid() != 0 or not os.path.exists("/dev/fuse"):
         pytest.skip("needs root and /dev/fuse (mount, losetup)")
     made: list[tuple[LatencyDrive, Path]] = []
@@ -61,14 +67,22 @@ def latency_pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
         dirs[0].mkdir()
         write_gguf(str(dirs[0] / "m.gguf"), layers=LAYERS, experts=EXPERTS, hidden=1024, inter=INTER)
         shutil.copytree(dirs[0], dirs[1])
+        if solo:
+            write_gguf(str(dirs[0] / "solo.gguf"), layers=2, experts=EXPERTS, hidden=1024, inter=INTER)
         subprocess.run(["sync"], check=True)
         for (drive, _), mb, bdp in zip(made, RATES, BDP_KB, strict=True):
-            drive.set(latency_us(mb, bdp), mb)
+            drive.set(latency_us(mb, bdp), mb) if latency else drive.set(0, CAPPED)
         yield dirs[0], dirs[1]
     finally:
         for drive, fs in made:
             subprocess.run(["umount", str(fs)], capture_output=True)
             drive.close()
+
+
+@pytest.fixture
+def latency_pair(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    with _pair(tmp_path, latency=True) as dirs:
+        yield dirs
 
 
 def _read_experts(path: Path, spans: list[tuple[int, int]], want: bytes) -> float:
@@ -155,3 +169,47 @@ def test_every_byte_is_right_when_the_page_cache_is_too_small(
         assert fills["fills_started"] > 0 and fills["bytes_stored"] > 0, fills
         assert int((memory_cgroup / "memory.failcnt").read_text()) > 0  # the limit was reached
         (MEMORY_ROOT / "cgroup.procs").write_text(f"{m.stats()['pid']}\n")
+
+
+def _mmap_read(path: Path) -> bytes:
+    drop_file_cache(path)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
+        return mm[:]
+
+
+@pytest.mark.parametrize("latency", [False, True], ids=["capped", "latency"])
+def test_a_file_no_mirror_holds_passes_through_only_where_drives_need_no_depth(
+    tmp_path: Path, native_only, latency: bool
+) -> None:
+    """A probed mount times its drives: capped ones need no reads in flight, so no fill runs and
+    the page-cache opens of a file no mirror holds are read by the kernel from the primary (the
+    daemon could only add its cost); a file the mirror holds is still served from both. On drives
+    with latency fills win, and every open is served."""
+    with (
+        _pair(tmp_path, latency, solo=True) as (fast, slow),
+        mounted(fast, [slow], tmp_path / "mnt", "--probe-seconds", "0.5") as m,
+    ):
+        assert _mmap_read(m.path / "solo.gguf") == (fast / "solo.gguf").read_bytes()
+        after_solo = m.stats()
+        assert _mmap_read(m.path / "m.gguf") == (fast / "m.gguf").read_bytes()
+        st = m.stats()
+    pt, fills = st["passthrough"], st["fills"]
+    assert pt["asked_at_init"] == 1, pt
+    assert all(r["bytes_served"] > 0 for r in st["replicas"]), st["replicas"]  # m.gguf: both drives
+    if latency:
+        assert pt["page_cache_opens_passed_through"] == 0 and fills["fills_started"] > 0, (pt, fills)
+    else:  # solo's two opens (drop_file_cache's and the mapping's), not m.gguf's
+        assert pt["page_cache_opens_passed_through"] == 2 and pt["page_cache_opens_served"] == 0, pt
+        assert fills["fills_started"] == 0, fills
+        assert sum(r["bytes_served"] for r in after_solo["replicas"]) == 0, after_solo["replicas"]
+
+
+def test_no_passthrough_serves_a_file_no_mirror_holds(tmp_path: Path, native_only) -> None:
+    with (
+        _pair(tmp_path, latency=False, solo=True) as (fast, slow),
+        mounted(fast, [slow], tmp_path / "mnt", "--probe-seconds", "0.5", "--no-passthrough") as m,
+    ):
+        assert _mmap_read(m.path / "solo.gguf") == (fast / "solo.gguf").read_bytes()
+        st = m.stats()
+    assert st["passthrough"]["page_cache_opens_passed_through"] == 0, st["passthrough"]
+    assert st["passthrough"]["asked_at_init"] == 0, st["passthrough"]
