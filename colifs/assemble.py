@@ -155,6 +155,9 @@ def assemble(
     return parts.pyfuse3(usage_path, saving, history.runs, io or OsIO(direct=cfg.backing_io == "direct"))
 
 
+ONE_DRIVE_PROBE_S = 0.3  # s: a lone drive's probe, for its rate alone
+
+
 def _routing(
     cfg: MountConfig,
     replicas: list[Replica],
@@ -164,8 +167,11 @@ def _routing(
 ) -> _Routing:
     """The weights: given, or probed; raised for the mirrors' files when mirrors are partial."""
     probed: list[ProbeResult] = []
-    if cfg.weights is None and cfg.probe_seconds > 0 and len(replicas) > 1:
-        probed = probe(replicas, list(files.values()), cfg.probe_seconds, groups)
+    if cfg.weights is None and cfg.probe_seconds > 0 and (len(replicas) > 1 or cfg.engine == "native"):
+        # One drive has no split to weigh, but its rate tells the native engine whether fills or
+        # passthrough serve it best (colifs.depth): the order of magnitude is enough.
+        seconds = cfg.probe_seconds if len(replicas) > 1 else min(cfg.probe_seconds, ONE_DRIVE_PROBE_S)
+        probed = probe(replicas, list(files.values()), seconds, groups)
         for line in table(probed).splitlines():
             log.info("probe: %s", line)
         replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]

@@ -63,6 +63,8 @@ CONFIGS = (
     "fastonly",
     "readahead32",
     "readahead64",
+    "readahead512",
+    "readahead1024",
     "nofill",
     "passthrough",
     "passthrough512",
@@ -130,6 +132,14 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         ),
         "readahead64": Config(
             "colifs, both, --readahead-kb 64", ["--weights", w, "--readahead-kb", "64"], 128
+        ),
+        # Larger FUSE requests (up to libfuse 3.14's 1 MiB, max_pages 256), each split over the
+        # drives in flight at once (#39's "max_pages" design).
+        "readahead512": Config(
+            "colifs, both, --readahead-kb 512", ["--weights", w, "--readahead-kb", "512"], 128
+        ),
+        "readahead1024": Config(
+            "colifs, both, --readahead-kb 1024", ["--weights", w, "--readahead-kb", "1024"], 128
         ),
         "nofill": Config("colifs, both, --fill-mib 0 (no fills)", ["--weights", w, "--fill-mib", "0"], 128),
         "passthrough": Config("colifs, both, --passthrough", ["--weights", w, "--passthrough"], 128),

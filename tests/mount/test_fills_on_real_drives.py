@@ -213,3 +213,16 @@ def test_no_passthrough_serves_a_file_no_mirror_holds(tmp_path: Path, native_onl
         st = m.stats()
     assert st["passthrough"]["page_cache_opens_passed_through"] == 0, st["passthrough"]
     assert st["passthrough"]["asked_at_init"] == 0, st["passthrough"]
+
+
+def test_a_lone_drive_that_needs_no_depth_passes_through(tmp_path: Path, native_only) -> None:
+    """With no mirror a mount still times its drive (a short probe): a capped drive needs no reads
+    in flight, so page-cache opens are the kernel's from the first one."""
+    with (
+        _pair(tmp_path, latency=False) as (fast, _),
+        mounted(fast, [], tmp_path / "mnt") as m,
+    ):
+        assert _mmap_read(m.path / "m.gguf") == (fast / "m.gguf").read_bytes()
+        st = m.stats()
+    assert st["passthrough"]["page_cache_opens_passed_through"] == 2, st["passthrough"]
+    assert st["fills"]["fills_started"] == 0 and st["replicas"][0]["bytes_served"] == 0, st
