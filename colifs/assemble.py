@@ -82,18 +82,12 @@ class _Routing:
     probe: tuple[dict, ...]
     partial: dict | None
     by_set: dict[tuple[int, ...], float] | None  # traffic per set of copies, when mirrors are partial
+    probed_mb_per_s: float | None = None  # the drives' MB/s added, when the probe measured every one
 
     def probed_rates(self) -> list[float | None]:
         """Each drive's probed bytes/s (None: not probed)."""
         by_index = {p["path"]: p["mb_per_s"] for p in self.probe}
         return [by_index[r.root] * 1e6 if by_index.get(r.root) else None for r in self.replicas]
-
-    def probed_mb_per_s(self) -> float | None:
-        """The drives' MB/s added, when the probe measured every one (copies on one drive share
-        their drive's figure: it counts once)."""
-        if not self.probe or not all(p["mb_per_s"] for p in self.probe):
-            return None
-        return sum(r.weight for r in self.replicas)
 
     def held(self, weights: list[float]) -> list[float]:
         """Plain weights -> the weights for the files the mirrors hold (partial mirrors get more)."""
@@ -143,7 +137,7 @@ def assemble(
     balancer = Balancer(
         [r.weight for r in routing.replicas], fixed=not adaptive, by_utilization=cfg.routing != "queue"
     )
-    cfg = replace(cfg, knobs=cfg.knobs.for_drives(routing.probed_mb_per_s()))
+    cfg = replace(cfg, knobs=cfg.knobs.for_drives(routing.probed_mb_per_s))
     if cfg.knobs.by_speed:
         log.info("readahead %d KiB: %s", cfg.knobs.read_ahead_kb, cfg.knobs.why)
     parts = _Parts(
@@ -155,7 +149,7 @@ def assemble(
     return parts.pyfuse3(usage_path, saving, history.runs, io or OsIO(direct=cfg.backing_io == "direct"))
 
 
-ONE_DRIVE_PROBE_S = 0.3  # s: a lone drive's probe, for its rate alone
+TIMING_PROBE_S = 0.3  # s per drive: a probe for the drives' rates alone (no weights to choose)
 
 
 def _routing(
@@ -167,14 +161,19 @@ def _routing(
 ) -> _Routing:
     """The weights: given, or probed; raised for the mirrors' files when mirrors are partial."""
     probed: list[ProbeResult] = []
-    if cfg.weights is None and cfg.probe_seconds > 0 and (len(replicas) > 1 or cfg.engine == "native"):
-        # One drive has no split to weigh, but its rate tells the native engine whether fills or
-        # passthrough serve it best (colifs.depth): the order of magnitude is enough.
-        seconds = cfg.probe_seconds if len(replicas) > 1 else min(cfg.probe_seconds, ONE_DRIVE_PROBE_S)
+    weigh = cfg.weights is None and len(replicas) > 1
+    if cfg.probe_seconds > 0 and (weigh or cfg.engine == "native"):
+        # Weights given, or one drive: no split to weigh, but the drives' rates tell the native
+        # engine whether fills or passthrough serve them best (colifs.depth) and choose the
+        # readahead (colifs.kernel) from the first open: the order of magnitude is enough.
+        seconds = cfg.probe_seconds if weigh else min(cfg.probe_seconds, TIMING_PROBE_S)
         probed = probe(replicas, list(files.values()), seconds, groups)
         for line in table(probed).splitlines():
-            log.info("probe: %s", line)
-        replicas = [replace(r, weight=w) for r, w in zip(replicas, weights_from(probed), strict=True)]
+            if weigh or not line.startswith("suggested:"):
+                log.info("probe: %s", line)
+    speeds = weights_from(probed) if probed else []
+    if weigh and speeds:
+        replicas = [replace(r, weight=w) for r, w in zip(replicas, speeds, strict=True)]
     log.info("%s", describe(replicas, cfg.weights_source, files))
     shown = tuple(
         {
@@ -187,7 +186,8 @@ def _routing(
         for p in probed
     )
     plain = [r.weight for r in replicas]
-    routing = _Routing(replicas, plain, shown, None, None)
+    measured = all(p.mb_per_s for p in probed) and bool(probed)
+    routing = _Routing(replicas, plain, shown, None, None, sum(speeds) if measured else None)
     routing.recount(files, history, plain)
     if routing.partial is not None:
         log.info(

@@ -31,6 +31,24 @@ def test_without_weights_the_mount_probes_each_drive(model) -> None:
         assert m.stderr.count("are on one drive") == 1, m.stderr
 
 
+def test_given_weights_stay_and_the_native_engine_still_times_the_drives(model, engine: str) -> None:
+    """--weights: the split is the user's, but a short probe times the drives for what the native
+    engine decides from their speed (the readahead, fills, passthrough) from the first open."""
+    primary, mirror, mnt = model
+    with mounted(primary, [mirror], mnt, "--weights", "3,1") as m:
+        st = m.stats()
+        assert st["weights_source"] == "given (--weights)"
+        assert [r["weight"] for r in st["replicas"]] == [3.0, 1.0]
+        if engine == "pyfuse3":
+            assert st["probe"] == [] and "probe:" not in m.stderr
+            return
+        assert [p["path"] for p in st["probe"]] == [str(primary), str(mirror)], st["probe"]
+        assert all(p["mb_per_s"] > 0 and p["seconds"] < 1.0 for p in st["probe"]), st["probe"]
+        assert "suggested: --weights" not in m.stderr
+        if os.geteuid() == 0:  # the readahead is set through sysfs
+            assert "probed at" in st["kernel"]["read_ahead_chosen"], st["kernel"]
+
+
 @pytest.mark.parametrize("routing", ["stripe", "queue"])
 def test_no_probe_means_equal_weights(model, engine: str, routing: str) -> None:
     """Weights given (here: equal) and copies on one drive: still one warning that says so; and
