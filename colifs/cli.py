@@ -493,6 +493,7 @@ def _reload_users(mirror: str, say: Callable[[str], None]) -> int:
     from colifs.client import mounts_using, reload
 
     failed = 0
+    want = os.path.realpath(mirror)  # ours; the mounts' paths are compared as their daemons resolved them
     for mnt in mounts_using(mirror):
         try:
             last = reload(mnt, 120.0)
@@ -501,7 +502,7 @@ def _reload_users(mirror: str, say: Callable[[str], None]) -> int:
             failed = EXIT_NOT_RELOADED
             continue
         for m in last["mirrors"]:
-            if os.path.realpath(m["path"]) == os.path.realpath(mirror):
+            if m["path"] == want:
                 print(f"{mnt} reloaded, mirror {mirror}: " + reload_line(m))
     return failed
 
