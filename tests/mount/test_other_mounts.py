@@ -32,20 +32,27 @@ def pair(root: Path, name: str) -> tuple[Path, Path]:
 
 
 @contextlib.contextmanager
-def hung_mount(tmp_path: Path) -> Iterator[Path]:
+def hung_mount(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     """Another colifs mount whose mirror (faultfs) hangs every call, its mount point's getattr
-    included, for the block: its mount point."""
+    included, for the block (every file read through it first, so it holds descriptors there):
+    (its mount point, the mirror's)."""
     primary, source = pair(tmp_path, "other")
-    control = tmp_path / "control"
+    control, hung = tmp_path / "control", tmp_path / "hung"
     with (
-        faulty_mirror(source, tmp_path / "hung", control),
-        mounted(primary, [tmp_path / "hung"], tmp_path / "other-mnt", "--weights", "1,1") as m,
+        faulty_mirror(source, hung, control),
+        mounted(primary, [hung], tmp_path / "other-mnt", "--weights", "1,1") as m,
     ):
+        files = [open(m.path / p.name, "rb") for p in sorted(primary.glob("*.safetensors"))]  # noqa: SIM115
+        for f in files:
+            f.read()
+        assert m.stats()["replicas"][1]["bytes_served"] > 0
         control.write_text("hang-all")
         try:
-            yield m.path
+            yield m.path, hung
         finally:
             control.write_text("ok")  # the unmount closes its descriptors there
+            for f in files:
+                f.close()
 
 
 @contextlib.contextmanager
@@ -95,6 +102,18 @@ def test_plan_and_stage_return_while_another_mounts_mirror_hangs(tmp_path: Path)
         staged = run_colifs("stage", str(primary), str(mirror), "--budget", "1G", "-q", timeout=PLAN_WITHIN)
         assert staged.returncode == 0, staged.stderr
         assert f"{mnt} reloaded, mirror {mirror}: 2 files added" in staged.stdout, staged.stdout
+
+
+def test_a_mirror_whose_every_call_hangs_is_removed_at_once(tmp_path: Path) -> None:
+    """`colifs mirror remove` is how a hung drive is taken away: the daemon finds it by the path it
+    mounted (it resolved every mirror's root again, on its loop, and hung there with it)."""
+    with hung_mount(tmp_path) as (mnt, hung):
+        t0 = time.monotonic()
+        out = run_colifs("mirror", "remove", str(mnt), str(hung), "--timeout", "10", timeout=PLAN_WITHIN)
+        assert out.returncode == 0 and out.stdout.startswith(f"mirror {hung} removed"), out
+        assert time.monotonic() - t0 < 5
+        health = json.loads((mnt / ".colifs" / "stats.json").read_text())["replicas"][1]["health"]
+        assert health["state"] == "removed"
 
 
 def test_sigterm_ends_a_plan_that_waits_on_a_daemon(tmp_path: Path) -> None:
