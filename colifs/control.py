@@ -98,33 +98,42 @@ def open_dir(path: str, uid: int, create: bool = False) -> int:
     if not os.path.isabs(path) or not all(parts) or any(p in (".", "..") for p in parts):
         raise Untrusted(f"{path} is not a plain absolute path")
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
-    where = ""
     try:
         _check(os.fstat(fd), "/", uid, last=False)
         for i, name in enumerate(parts):
             last = i == len(parts) - 1
-            where += "/" + name
-            if last and create:
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o700, dir_fd=fd)
-            flags = (os.O_RDONLY if last else os.O_PATH) | os.O_DIRECTORY | os.O_NOFOLLOW
-            try:
-                nfd = os.open(name, flags, dir_fd=fd)
-            except OSError as e:
-                if e.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise Untrusted(f"{where} is a symlink or not a directory") from None
-                raise
+            nfd = _step(fd, name, "/" + "/".join(parts[: i + 1]), uid, last, create and last)
             os.close(fd)
             fd = nfd
-            st = os.fstat(fd)
-            if last and create and st.st_uid == uid and st.st_mode & 0o077 and not st.st_mode & 0o022:
-                os.fchmod(fd, 0o700)  # ours, and nobody else could write it: only tightened
-                st = os.fstat(fd)
-            _check(st, where, uid, last)
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def _step(fd: int, name: str, where: str, uid: int, last: bool, create: bool) -> int:
+    """`name` in the directory of `fd`, opened without following a link and checked (`where`:
+    its path, for the message); made first when `create`."""
+    if create:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, 0o700, dir_fd=fd)
+    flags = (os.O_RDONLY if last else os.O_PATH) | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        nfd = os.open(name, flags, dir_fd=fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise Untrusted(f"{where} is a symlink or not a directory") from None
+        raise
+    try:
+        st = os.fstat(nfd)
+        if create and st.st_uid == uid and st.st_mode & 0o077 and not st.st_mode & 0o022:
+            os.fchmod(nfd, 0o700)  # ours, and nobody else could write it: only tightened
+            st = os.fstat(nfd)
+        _check(st, where, uid, last)
+    except BaseException:
+        os.close(nfd)
+        raise
+    return nfd
 
 
 def _check(st: os.stat_result, where: str, uid: int, last: bool) -> None:
@@ -414,20 +423,7 @@ def _ask_at(dirfd: int, d: str, pid: int, uid: int, request: dict, deadline: flo
             held, by = _peer(s)
             if (held, by) != (pid, uid):  # a socket left by a daemon gone, its pid reused, or planted
                 raise NotAsked(f"{os.path.join(d, name)} is held by process {held} ({_who(by)}), not {pid}")
-            with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-                s.sendall(json.dumps(request).encode() + b"\n")  # a refusal may come (and close) first
-            data = b""
-            while not data.endswith(b"\n"):
-                s.settimeout(max(deadline - time.monotonic(), 0.001))
-                try:
-                    chunk = s.recv(1 << 16)
-                except ConnectionResetError:  # closed with our request unread: after a refusal
-                    chunk = b""
-                if not chunk:
-                    raise NoAnswer("the daemon closed the connection without an answer")
-                data += chunk
-                if len(data) > MAX_ANSWER:
-                    raise NoAnswer("the daemon's answer is too long")
+            data = _exchange(s, request, deadline)
         except ConnectionRefusedError:
             raise Gone(f"daemon {pid} does not listen on {os.path.join(d, name)} (gone?)") from None
         except TimeoutError:
@@ -445,6 +441,25 @@ def _ask_at(dirfd: int, d: str, pid: int, uid: int, request: dict, deadline: flo
     if "error" in answer:
         raise QuietError(answer["error"]).with_code(int(answer.get("exit", 1)))
     return answer["ok"]
+
+
+def _exchange(s: socket.socket, request: dict, deadline: float) -> bytes:
+    """Send `request`, receive the answer's line, each wait bounded by `deadline`."""
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        s.sendall(json.dumps(request).encode() + b"\n")  # a refusal may come (and close) first
+    data = b""
+    while not data.endswith(b"\n"):
+        s.settimeout(max(deadline - time.monotonic(), 0.001))
+        try:
+            chunk = s.recv(1 << 16)
+        except ConnectionResetError:  # closed with our request unread: after a refusal
+            chunk = b""
+        if not chunk:
+            raise NoAnswer("the daemon closed the connection without an answer")
+        data += chunk
+        if len(data) > MAX_ANSWER:
+            raise NoAnswer("the daemon's answer is too long")
+    return data
 
 
 def ask_everyone(request: dict, wait: float) -> tuple[dict[int, dict | str], list[str]]:

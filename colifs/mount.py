@@ -108,10 +108,9 @@ def _control(asm: Assembly) -> Control:
     async def status(request: dict) -> dict:
         return status_of(asm)
 
-    def listening(path: str | None) -> None:
-        asm.stats.control_socket = path
-
-    return Control({"mirror-remove": remove, "mirror-add": add, "status": status}, listening=listening)
+    return Control(
+        {"mirror-remove": remove, "mirror-add": add, "status": status}, listening=asm.stats.listening
+    )
 
 
 def status_of(asm: Assembly) -> dict:

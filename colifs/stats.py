@@ -143,6 +143,11 @@ class Stats:
         self.control_socket: str | None = None  # where the daemon takes commands (colifs.control)
         self._lock = threading.Lock()  # per-drive state growing (changing) vs a snapshot of it
 
+    def listening(self, path: str | None) -> None:
+        """Where the daemon's control socket is (None: it has none), for stats.json: the clients
+        take it from there."""
+        self.control_socket = path
+
     @property
     def bytes_served(self) -> Sequence[int]:
         return self.counters.bytes_served
