@@ -258,8 +258,8 @@ class Listening:
 
 def listen(pid: int, dirs: Sequence[str]) -> Listening:
     """Bind PID.sock in the first of `dirs` that passes the checks (a file left there by a dead
-    daemon of the same pid is replaced: only this user or root could have put it there).
-    Untrusted (the reasons) when none does."""
+    daemon of the same pid is replaced: only this user or root could have put it there), and
+    sweep the sockets of other daemons gone. Untrusted (the reasons) when none does."""
     name = f"{pid}.sock"
     why = []
     for d in dirs:
@@ -274,12 +274,50 @@ def listen(pid: int, dirs: Sequence[str]) -> Listening:
                 os.unlink(name, dir_fd=dirfd)
             sock.bind(_at(dirfd, name))
             sock.listen(8)
-            return Listening(sock, d, dirfd, name)
+            bound = Listening(sock, d, dirfd, name)
         except OSError as e:
             sock.close()
             os.close(dirfd)
             why.append(f"{os.path.join(d, name)}: {e.strerror}")
+            continue
+        sweep(dirfd, pid)
+        return bound
     raise Untrusted("; ".join(why) or "no directory to put it in")
+
+
+def sweep(dirfd: int, pid: int) -> None:
+    """Remove the sockets of daemons gone (killed before they could remove theirs) from the
+    directory of `dirfd`: each one whose pid is no process and that nothing listens on is moved
+    aside, and removed only if it is still the file that was found so (else a daemon that just
+    took that pid bound it meanwhile, and it is put back)."""
+    for name in os.listdir(dirfd):
+        m = NAME.fullmatch(name)
+        if m is None or int(m[1]) == pid or os.path.exists(f"/proc/{m[1]}"):
+            continue
+        with contextlib.suppress(OSError):
+            found = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if not stat.S_ISSOCK(found.st_mode) or _listened(dirfd, name):
+                continue
+            aside = f".stale.{pid}.{name}"
+            os.rename(name, aside, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+            moved = os.stat(aside, dir_fd=dirfd, follow_symlinks=False)
+            if (moved.st_dev, moved.st_ino) == (found.st_dev, found.st_ino):
+                os.unlink(aside, dir_fd=dirfd)
+            else:
+                os.rename(aside, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
+
+
+def _listened(dirfd: int, name: str) -> bool:
+    """Whether something listens on socket file `name` (a full backlog counts as listening)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.setblocking(False)
+        try:
+            s.connect(_at(dirfd, name))
+        except ConnectionRefusedError:
+            return False
+        except OSError:
+            return True
+    return True
 
 
 class Control:

@@ -231,6 +231,26 @@ def test_a_file_left_by_a_dead_daemon_of_the_same_pid_is_replaced_and_removed_at
     assert stale.read_text() == "someone else's" and replaced
 
 
+def test_sockets_of_daemons_gone_are_swept_and_nothing_else(base: Path) -> None:
+    d = base / "run"
+    os.close(open_dir(str(d), ME, create=True))
+    for pid in (NOBODY, NOBODY + 1):  # killed before they could remove their sockets
+        left = socket.socket(socket.AF_UNIX)
+        left.bind(str(d / f"{pid}.sock"))
+        left.close()
+    alive = socket.socket(socket.AF_UNIX)  # listened on: kept, whatever its name
+    alive.bind(str(d / f"{NOBODY + 2}.sock"))
+    alive.listen(1)
+    (d / f"{NOBODY + 3}.sock").write_text("not a socket")
+    (d / "notes").write_text("not ours")
+    try:
+        bound = listen(OURS, [str(d)])
+        bound.close()
+    finally:
+        alive.close()
+    assert sorted(os.listdir(d)) == [f"{NOBODY + 2}.sock", f"{NOBODY + 3}.sock", "notes"]
+
+
 # -- who may ask -------------------------------------------------------------------------------------
 
 
