@@ -505,6 +505,7 @@ def _reload_users(mirror: str, say: Callable[[str], None]) -> int:
     from colifs.client import mounts_using, reload
 
     failed = 0
+    want = os.path.realpath(mirror)  # ours; the mounts' paths are compared as their daemons resolved them
     for mnt in mounts_using(mirror):
         try:
             last = reload(mnt, 120.0)
@@ -513,7 +514,7 @@ def _reload_users(mirror: str, say: Callable[[str], None]) -> int:
             failed = EXIT_NOT_RELOADED
             continue
         for m in last["mirrors"]:
-            if os.path.realpath(m["path"]) == os.path.realpath(mirror):
+            if m["path"] == want:
                 print(f"{mnt} reloaded, mirror {mirror}: " + reload_line(m))
     return failed
 

@@ -12,9 +12,9 @@ import sys
 import threading
 import time
 
-from colifs.control import NoAnswer, ask
+from colifs.control import NoAnswer, NotAsked, ask, ask_everyone
 from colifs.errors import BusyError, NotMountedError, NotReloadedError, QuietError, UsageError
-from colifs.kernel import colifs_mounts, mount_type
+from colifs.kernel import colifs_mounts, mount_at, resolved
 from colifs.namespace import CONTROL_DIR, ROUTE_XATTR
 from colifs.unmount import Busy, UnmountFailed, describe, unmount
 
@@ -36,9 +36,7 @@ def read_stats(mountpoint: str) -> dict:
 def umount(mountpoint: str, lazy: bool, timeout: float) -> str | None:
     """Unmount and wait for the daemon to exit (it saves its usage first); what to tell the user,
     if anything. Busy without `lazy`: BusyError naming who uses it (nothing is pulled)."""
-    mnt = os.path.realpath(mountpoint)
-    if mount_type(mnt) != "fuse.colifs":
-        raise NotMountedError(f"{mnt} is not a colifs mount")
+    mnt = _colifs_mount(mountpoint)
     try:
         pid = int(read_stats(mnt)["pid"])
     except NotMountedError:  # stale: the daemon died; only the kernel's mount is left
@@ -85,9 +83,7 @@ POLL = 0.2  # s between looks at a reloading mount's stats
 def reload(mountpoint: str, timeout: float) -> dict:
     """Ask the mount's daemon to check its mirrors again (SIGHUP) and wait until a reload that
     started after the signal has ended: what stats.json says of it."""
-    mnt = os.path.realpath(mountpoint)
-    if mount_type(mnt) != "fuse.colifs":
-        raise NotMountedError(f"{mnt} is not a colifs mount")
+    mnt = _colifs_mount(mountpoint)
     deadline = time.monotonic() + timeout
     before = _answer(mnt, deadline, timeout)
     try:
@@ -126,43 +122,99 @@ def _answer(mnt: str, deadline: float, timeout: float) -> dict:
 ASK_SLACK = 5.0  # s the client waits past the daemon's own deadline, for its answer
 
 
+def _colifs_mount(mountpoint: str) -> str:
+    """The resolved mount point of the colifs mount at `mountpoint` (its root is not stat-ed: its
+    daemon may hang); NotMountedError when there is none."""
+    mnt = resolved(mountpoint)
+    entry = mount_at(mnt)
+    if entry is None or entry.fstype != "fuse.colifs":
+        raise NotMountedError(f"{mnt} is not a colifs mount")
+    return mnt
+
+
 def mirror(mountpoint: str, command: str, path: str, timeout: float, weight: float | None = None) -> dict:
     """`colifs mirror remove|add`: the mount's daemon does it and answers once it is done (for a
     removal: once no descriptor is left on the mirror); what it did."""
-    mnt = os.path.realpath(mountpoint)
-    if mount_type(mnt) != "fuse.colifs":
-        raise NotMountedError(f"{mnt} is not a colifs mount")
+    mnt = _colifs_mount(mountpoint)
+    owner = mount_at(mnt)
+    me = os.geteuid()
+    if owner is None or owner.user_id != me:  # the kernel's word: whose daemon serves it
+        who = "nobody known" if owner is None or owner.user_id is None else _who(owner.user_id)
+        raise NotReloadedError(
+            f"{mnt}: its daemon runs as {who} and takes commands from that user only: run as it; "
+            "nothing asked of it"
+        )
     st = _stats_within(mnt, timeout)
     if not st:
         raise NotReloadedError(f"the daemon of {mnt} does not answer; nothing asked of it")
-    path = os.path.abspath(path)
+    try:
+        pid, uid = int(st["pid"]), int(st["uid"])
+    except (KeyError, TypeError, ValueError):
+        raise NotReloadedError(f"the daemon of {mnt} takes no commands (older colifs: remount it)") from None
+    if uid != me:  # a FUSE file system of another user posing as colifs
+        raise NotReloadedError(
+            f"{mnt} says its daemon runs as uid {uid}, but {_who(me)} mounted it; not asked"
+        )
+    path = os.path.abspath(path)  # not resolved here: a mirror is removed when its drive hangs
     request = {"command": f"mirror-{command}", "path": path, "wait": timeout, "weight": weight}
     try:
-        return ask(int(st["pid"]), request, timeout + ASK_SLACK)
+        return ask(pid, uid, request, timeout + ASK_SLACK, also=st.get("control_socket"))
+    except NotAsked as e:
+        raise NotReloadedError(f"{mnt}: {e}; nothing asked of it") from None
     except NoAnswer as e:
         done = {"remove": "removed", "add": "added"}[command]
         raise NotReloadedError(f"{mnt}: {e}; {path} may not be {done} (see colifs stats)") from None
 
 
-def mounts_using(mirror: str, wait: float = 5.0) -> list[str]:
+def _who(uid: int) -> str:
+    return "root" if uid == 0 else f"uid {uid}"
+
+
+STATUS_WAIT = 5.0  # s for every daemon together to say what it serves
+
+
+def mounts_using(mirror: str, wait: float = STATUS_WAIT) -> list[str]:
     """The live colifs mounts that serve the directory `mirror` as one of their mirrors (not one
-    they removed: `colifs mirror add` brings it back). A mount whose daemon does not answer within
-    `wait` seconds is left out, and said on stderr."""
-    want = os.path.realpath(mirror)
+    they removed: `colifs mirror add` brings it back). Each daemon is asked on its control socket,
+    all at once, for `wait` seconds in all; no other mount is touched (a hung mirror's mount point
+    is never stat-ed: its daemon answers the paths it resolved at mount, compared as strings). A
+    mount that cannot be checked is said on stderr, one line each."""
+    want = os.path.realpath(mirror)  # the caller's own directory
+    mounts = colifs_mounts()
+    if not mounts:
+        return []
+    answers, untrusted = ask_everyone({"command": "status"}, wait)
+    for why in untrusted:
+        _say(f"{why}: its sockets were not asked")
+    me = os.geteuid()
+    serving: dict[str, list[dict]] = {}
+    for pid, answer in sorted(answers.items()):
+        if isinstance(answer, dict):
+            serving.setdefault(str(answer.get("mountpoint")), []).append(answer)
+        else:
+            _say(f"daemon {pid}: {answer}")
     out = []
-    for mnt in colifs_mounts():
-        st = _stats_within(mnt, wait)
-        if st is None:
-            print(f"colifs: {mnt}: its daemon does not answer; not checked", file=sys.stderr)
-        elif any(_serves(r, want) for r in st.get("replicas", [])[1:]):
-            out.append(mnt)
-    return out
+    for mnt, entry in mounts:
+        theirs = [a for a in serving.get(mnt, []) if a.get("uid") == entry.user_id]
+        if theirs:
+            if any(_serves(r, want) for a in theirs for r in a.get("replicas", [])[1:]):
+                out.append(mnt)
+        elif entry.user_id != me:
+            who = "nobody known" if entry.user_id is None else _who(entry.user_id)
+            _say(f"{mnt}: mounted by {who}; not checked (its daemon answers that user only)")
+        else:
+            _say(f"{mnt}: its daemon does not answer; not checked")
+    return list(dict.fromkeys(out))
+
+
+def _say(line: str) -> None:
+    print(f"colifs: {line}", file=sys.stderr)
 
 
 def _serves(replica: dict, mirror: str) -> bool:
-    """A mount's replica (as stats.json shows it) is the directory `mirror`, in use (not removed)."""
-    removed = replica.get("health", {}).get("state") == "removed"
-    return not removed and os.path.realpath(replica.get("path", "")) == mirror
+    """A mount's replica (as its daemon resolved it at mount) is the directory `mirror`, in use
+    (not removed)."""
+    return not replica.get("removed") and replica.get("path") == mirror
 
 
 def _stats_within(mnt: str, wait: float) -> dict | None:

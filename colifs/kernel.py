@@ -70,6 +70,7 @@ class MountEntry:
     mount_id: int
     dev: int  # st_dev of the files on it
     fstype: str  # `fuse.colifs`, `ext4`, ...
+    user_id: int | None = None  # a FUSE mount's `user_id=`: whose daemon serves it, as the kernel says
 
 
 def _unescape(field: str) -> str:
@@ -87,8 +88,18 @@ def _mounts() -> Iterator[tuple[str, MountEntry]]:
             except ValueError:
                 continue
             major, minor = fields[2].split(":")
-            entry = MountEntry(int(fields[0]), os.makedev(int(major), int(minor)), fields[sep + 1])
+            dev = os.makedev(int(major), int(minor))
+            entry = MountEntry(int(fields[0]), dev, fields[sep + 1], _user_id(fields[sep + 3 :]))
             yield _unescape(fields[4]), entry
+
+
+def _user_id(super_options: list[str]) -> int | None:
+    """The `user_id=` of a FUSE mount's super options (the uid that mounted it: its daemon's)."""
+    for opt in (super_options[0] if super_options else "").split(","):
+        key, _, value = opt.partition("=")
+        if key == "user_id" and value.isdigit():
+            return int(value)
+    return None
 
 
 def mount_at(real: str) -> MountEntry | None:
@@ -101,15 +112,29 @@ def mount_at(real: str) -> MountEntry | None:
     return found
 
 
-def colifs_mounts() -> list[str]:
-    """The mount points of every colifs mount this process can see."""
-    return [path for path, entry in _mounts() if entry.fstype == "fuse.colifs"]
+def colifs_mounts() -> list[tuple[str, MountEntry]]:
+    """Every colifs mount this process can see: (its mount point, as the kernel writes it; what
+    is mounted there). Read from /proc alone: no mount is touched."""
+    return [(path, entry) for path, entry in _mounts() if entry.fstype == "fuse.colifs"]
+
+
+def resolved(path: str) -> str:
+    """`path` resolved (realpath), except that a path naming a mount point as written, or once its
+    parent directory is resolved, is taken as it is: resolving stats the last component too, and
+    the root of a hung mount never answers (`colifs umount` of a mount whose daemon hangs)."""
+    plain = os.path.abspath(path)
+    points = {p for p, _ in _mounts()}
+    if plain in points:
+        return plain
+    joined = os.path.join(os.path.realpath(os.path.dirname(plain)), os.path.basename(plain))
+    return joined if joined in points else os.path.realpath(plain)
 
 
 def held_under(root: str) -> list[str]:
-    """The paths of this process's open descriptors inside directory `root` (resolved): what keeps
-    its file system from being unmounted."""
-    inside = os.path.join(os.path.realpath(root), "")
+    """The paths of this process's open descriptors inside directory `root`, a resolved path (never
+    resolved again here: the drive may hang, and is taken away for that): what keeps its file
+    system from being unmounted."""
+    inside = os.path.join(root, "")
     out = []
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -123,7 +148,7 @@ def held_under(root: str) -> list[str]:
 
 def mount_type(path: str) -> str | None:
     """The filesystem type mounted at `path`, None when nothing is."""
-    entry = mount_at(os.path.realpath(path))
+    entry = mount_at(resolved(path))
     return entry.fstype if entry else None
 
 

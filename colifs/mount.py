@@ -1,7 +1,7 @@
 """Mount lifecycle: assemble (colifs.assemble) → mount → serve → until unmounted (`colifs umount`,
 umount(8)) or signalled (SIGTERM/SIGINT: unmount once no process uses the mount). SIGHUP reloads:
 the mirrors are checked again while serving (colifs.reload; `colifs reload` sends it). The control
-socket (colifs.control) takes `colifs mirror remove/add`.
+socket (colifs.control) takes `colifs mirror remove/add` and answers `status`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,8 @@ async def _reload_on_signal(asm: Assembly, early: list[int]) -> None:
 
 
 def _control(asm: Assembly) -> Control:
-    """The commands with arguments: a mirror taken away or brought back while serving."""
+    """The commands with arguments: a mirror taken away or brought back while serving; and what the
+    mount serves (`status`: for commands about other mounts, which must not touch them)."""
 
     async def remove(request: dict) -> dict:
         return await asm.reloader.remove_mirror(str(request["path"]), _positive(request, "wait"))
@@ -104,7 +105,27 @@ def _control(asm: Assembly) -> Control:
         weight = None if request.get("weight") is None else _positive(request, "weight")
         return await asm.reloader.add_mirror(str(request["path"]), weight, _positive(request, "wait"))
 
-    return Control({"mirror-remove": remove, "mirror-add": add})
+    async def status(request: dict) -> dict:
+        return status_of(asm)
+
+    return Control(
+        {"mirror-remove": remove, "mirror-add": add, "status": status}, listening=asm.stats.listening
+    )
+
+
+def status_of(asm: Assembly) -> dict:
+    """What the mount serves, as resolved at mount (paths compared as strings by the asker, never
+    resolved again: a mirror's drive may hang). Read from memory: it touches no drive."""
+    health = asm.reloader.health
+    return {
+        "pid": os.getpid(),
+        "uid": os.geteuid(),
+        "mountpoint": asm.mountpoint,
+        "replicas": [
+            {"path": r.root, "role": r.role, "removed": health[r.index].removed_at is not None}
+            for r in asm.reloader.replicas
+        ],
+    }
 
 
 def _positive(request: dict, key: str) -> float:

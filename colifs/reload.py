@@ -37,6 +37,7 @@ BUSY_RETRY = 0.05  # s between tries of a copy whose file is busy retiring descr
 BUSY_GIVE_UP = 5.0  # s after which such a copy waits for the next reload
 CLOSED_POLL = 0.05  # s between looks at the descriptors a removed mirror still has open
 MEASURE_S = 1.0  # s each of the probes that weigh a new mirror against the primary
+RESOLVE_WITHIN = 5.0  # s to resolve a mirror path a command gave otherwise than as mounted
 MAX_REPLICAS = 8  # as the native engine's tables (native/engine.h): the primary and 7 mirrors
 
 
@@ -245,9 +246,24 @@ class Reloader:
 
     # -- mirrors taken away and brought back (colifs mirror remove / add) ----------------------
 
-    def _replica(self, path: str) -> Replica | None:
-        real = os.path.realpath(path)
-        return next((r for r in self.replicas if os.path.realpath(r.root) == real), None)
+    async def _replica(self, path: str) -> Replica | None:
+        """The replica directory `path` names. The roots were resolved at mount and are compared as
+        strings, never resolved again (a mirror is removed because its drive hangs); `path` is
+        resolved only when it is none of them as given, on a thread of its own, within
+        RESOLVE_WITHIN (UsageError then: the loop, and every later command, never waits on it)."""
+        plain = os.path.abspath(path)
+        found = next((r for r in self.replicas if r.root == plain), None)
+        if found is not None:
+            return found
+        with trio.move_on_after(RESOLVE_WITHIN):
+            # A limiter of its own: resolutions stuck in a hung drive never hold up the next ones.
+            real = await trio.to_thread.run_sync(
+                os.path.realpath, plain, abandon_on_cancel=True, limiter=trio.CapacityLimiter(1)
+            )
+            return next((r for r in self.replicas if r.root == real), None)
+        raise UsageError(
+            f"{path}: not resolved within {RESOLVE_WITHIN:g} s (a hung drive?); give it as mounted"
+        )
 
     async def remove_mirror(self, path: str, wait: float) -> dict:
         """Take mirror `path` away: no new read goes to it, reads in flight on it finish (or fall
@@ -255,7 +271,7 @@ class Reloader:
         none is left (its drive can be unmounted); BusyError after `wait` seconds if some still are
         (reads stuck in a hung drive): it stays out of the routing, and a second remove waits again."""
         async with self._lock:
-            r = self._replica(path)
+            r = await self._replica(path)
             if r is None:
                 raise UsageError(f"{path} is not a mirror of this mount ({self._mirrors()})")
             if r.index == 0:
@@ -302,7 +318,7 @@ class Reloader:
         copies serve at once, with `weight` if given; else a new directory's is measured (a short
         probe against the primary), a removed one's is the one it had."""
         async with self._lock:
-            slot, new = self._slot(path)
+            slot, new = await self._slot(path)
             root = os.path.abspath(path) if new else slot.root
             if not os.path.isdir(root):
                 raise UsageError(f"{root} is not a directory (is its drive mounted?)")
@@ -358,10 +374,10 @@ class Reloader:
         self._reweigh(None if ratio is None else Weight(index, ratio, of_primary=True))
         return {"weight": None, "measured_vs_primary": ratio}
 
-    def _slot(self, path: str) -> tuple[Replica | None, bool]:
+    async def _slot(self, path: str) -> tuple[Replica | None, bool]:
         """Where mirror `path` joins: its own slot (removed before), or (new: True) the first slot
         of a mirror removed, or (None, True) a new one. UsageError when it may not."""
-        r = self._replica(path)
+        r = await self._replica(path)
         if r is not None and r.index == 0:
             raise UsageError(f"{path} is the primary of this mount, not a mirror")
         if r is not None and self.health[r.index].removed_at is None:

@@ -140,7 +140,13 @@ class Stats:
         self._balance = balance  # the weights in force and the drives' measured rates
         self._reloads = reloads  # how many reloads ran, and what the last one changed
         self.last_error: list[str | None] = [None] * len(replicas)
+        self.control_socket: str | None = None  # where the daemon takes commands (colifs.control)
         self._lock = threading.Lock()  # per-drive state growing (changing) vs a snapshot of it
+
+    def listening(self, path: str | None) -> None:
+        """Where the daemon's control socket is (None: it has none), for stats.json: the clients
+        take it from there."""
+        self.control_socket = path
 
     @property
     def bytes_served(self) -> Sequence[int]:
@@ -221,6 +227,8 @@ class Stats:
         return {
             "version": __version__,
             "pid": os.getpid(),
+            "uid": os.geteuid(),
+            "control_socket": self.control_socket,
             "mountpoint": self.info.mountpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "weights_source": self.info.weights_source,

@@ -7,7 +7,8 @@ Serves the files of the flat directory SOURCE read-only. Every read looks at the
 the read until the mode changes (then answers it as the new mode says), `hang-open` holds every
 open until the mode changes (reads pass), `stale` fails (EIO) every read on a file opened before
 it was set, as the old descriptors of a filesystem mounted again do (new opens read), `hang-flush`
-holds every close (FLUSH) until the mode changes. Files are
+holds every close (FLUSH) until the mode changes, `hang-all` holds every call that reaches the file
+system (getattr of its root included: a mount whose drive stopped answering). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
 at once. `slow MBPS` passes the bytes through at MBPS MB/s in all (a drive that slowed down).
 Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
@@ -46,7 +47,12 @@ class FaultFS(pyfuse3.Operations):
         self.last_mode = mode
         return mode
 
+    async def _unless_hung(self) -> None:
+        while self._mode() == "hang-all":
+            await trio.sleep(0.05)
+
     async def getattr(self, inode: int, ctx: object = None) -> pyfuse3.EntryAttributes:
+        await self._unless_hung()
         st = os.lstat(self.source if inode == pyfuse3.ROOT_INODE else self.paths[inode])
         a = pyfuse3.EntryAttributes()
         for name in ("st_mode", "st_size", "st_uid", "st_gid", "st_mtime_ns", "st_ctime_ns", "st_atime_ns"):
@@ -62,6 +68,7 @@ class FaultFS(pyfuse3.Operations):
         return await self.getattr(self.inodes[name])
 
     async def opendir(self, inode: int, ctx: object) -> int:
+        await self._unless_hung()
         return inode
 
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
@@ -74,7 +81,7 @@ class FaultFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: object) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
-        while self._mode() == "hang-open":
+        while self._mode() in ("hang-open", "hang-all"):
             await trio.sleep(0.05)
         fd = os.open(self.paths[inode], os.O_RDONLY)
         self.fds[fd] = inode
@@ -84,7 +91,7 @@ class FaultFS(pyfuse3.Operations):
 
     async def read(self, fh: int, off: int, size: int) -> bytes:
         mode = self._mode()
-        while mode == "hang":
+        while mode in ("hang", "hang-all"):
             await trio.sleep(0.05)
             mode = self._mode()
         if mode == "eio" or (mode == "stale" and self.opened.get(fh, 0) < self.stale_before):
@@ -105,6 +112,7 @@ class FaultFS(pyfuse3.Operations):
         os.close(fh)
 
     async def statfs(self, ctx: object) -> pyfuse3.StatvfsData:
+        await self._unless_hung()
         return pyfuse3.StatvfsData()
 
 
