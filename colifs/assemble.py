@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from colifs.backing import BackingIO, OsIO
@@ -23,6 +23,7 @@ from colifs.devices import one_drive
 from colifs.health import Health
 from colifs.kernel import Tuning
 from colifs.logs import RecentWarnings
+from colifs.looplag import LoopLag
 from colifs.namespace import Namespace
 from colifs.probe import ProbeResult, probe, read_wait, table, weights_from
 from colifs.readplan import Router
@@ -73,6 +74,7 @@ class Assembly:
     tuning: Tuning
     adaptive: Adaptive
     reloader: Reloader
+    loop: LoopLag  # how late the trio loop runs (stats.json `loop`): `serve` runs its task
 
 
 @dataclass
@@ -211,6 +213,7 @@ class _Parts:
     history: Usage  # the usage history read at mount: the partial-mirror weights' traffic
     reloads: Reloads
     groups: list[list[int]]  # replicas whose copies share a drive (colifs.devices)
+    loop: LoopLag = field(default_factory=LoopLag)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -277,7 +280,7 @@ class _Parts:
     ) -> Stats:
         return Stats(
             self.replicas, self.info, counters, self.health, in_flight, recorder.status, tuning.applied,
-            self.warnings.lines, self.balancer.as_dict, self.reloads.as_dict,
+            self.warnings.lines, self.balancer.as_dict, self.reloads.as_dict, self.loop.as_dict,
         )  # fmt: skip
 
     def _namespace(self, stats: Stats) -> Namespace:
@@ -307,7 +310,7 @@ class _Parts:
             tuning,
         )
         reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
-        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader, self.loop)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
         from colifs.native import NativeCounters, NativeEngine, key_table
@@ -340,7 +343,7 @@ class _Parts:
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, engine.set_speeds)
         reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine)
-        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader, self.loop)
 
     def _waits(self) -> list[float | None]:
         """What a read of each drive waits before its bytes flow (colifs.depth): timed at mount unless

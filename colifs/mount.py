@@ -75,7 +75,7 @@ def _run(asm: Assembly, usage_interval: float, on_ready: Callable[[], None], ear
         engine.mount()
     except RuntimeError as e:
         raise MountError(f"cannot mount on {asm.mountpoint}: {e}") from None
-    tasks: list[Callable[[], Awaitable[None]]] = [engine.watch, asm.adaptive.run]
+    tasks: list[Callable[[], Awaitable[None]]] = [engine.watch, asm.adaptive.run, asm.loop.run]
     if asm.recorder.saving:
         tasks.append(functools.partial(asm.recorder.keep, usage_interval))
     tasks.append(functools.partial(_reload_on_signal, asm, early))

@@ -127,6 +127,7 @@ class Stats:
         warnings: Callable[[], list[str]],
         balance: Callable[[], dict],
         reloads: Callable[[], dict],
+        loop: Callable[[], dict] = dict,
     ) -> None:
         self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.info = info
@@ -139,6 +140,7 @@ class Stats:
         self._warnings = warnings
         self._balance = balance  # the weights in force and the drives' measured rates
         self._reloads = reloads  # how many reloads ran, and what the last one changed
+        self._loop = loop  # how late the daemon's trio loop runs (colifs.looplag)
         self.last_error: list[str | None] = [None] * len(replicas)
         self._lock = threading.Lock()  # per-drive state growing (changing) vs a snapshot of it
 
@@ -257,6 +259,7 @@ class Stats:
             "usage": self._usage(),
             "partial_mirror": self.info.partial,
             "reload": self._reloads(),
+            "loop": self._loop(),
             "files": {
                 f.relpath: {
                     "replicas": [self.replicas[i].root for i in f.copies],
