@@ -136,7 +136,9 @@ def assemble(
     routing = _routing(cfg, replicas, files, history, groups)
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
     router = Router(routing.weights, cfg.routing != "expert", health)
-    info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
+    info = MountInfo(
+        mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial, cfg.revision
+    )
     # Copies on one drive measure each other's load: their rates could not move a split.
     adaptive = cfg.adaptive_weights and not groups
     if cfg.adaptive_weights and groups:
@@ -221,7 +223,7 @@ class _Parts:
 
     def _reloader(
         self, stats: Stats, set_copy: Callable[[ServedFile, int, Identity | None], bool],
-        apply: Callable[[list[float]], None], engine: _Membership,
+        apply: Callable[[list[float]], None], engine: _Membership, changed: Callable[[], None],
     ) -> Reloader:  # fmt: skip
         def reweigh(weight: Weight | None) -> None:
             if weight is not None:
@@ -247,7 +249,10 @@ class _Parts:
             return index
 
         return Reloader(
-            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, place, self.reloads
+            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, place, self.reloads,
+            mountpoint=self.mnt, revision=self.cfg.revision,
+            io=OsIO(direct=self.cfg.backing_io == "direct"), set_copy_blocks=self.cfg.engine == "native",
+            changed=changed,
         )  # fmt: skip
 
     def _adaptive(
@@ -309,7 +314,8 @@ class _Parts:
             reader.set_weights,
             tuning,
         )
-        reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
+        membership = _Pyfuse3Membership(reader, cfg)
+        reloader = self._reloader(stats, reader.set_copy, reader.set_weights, membership, ns.tensors.forget)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader, self.loop)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
@@ -342,7 +348,7 @@ class _Parts:
             queue_routing=cfg.routing == "queue",
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, engine.set_speeds)
-        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine)
+        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine, ns.tensors.forget)
         return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader, self.loop)
 
     def _waits(self) -> list[float | None]:

@@ -102,7 +102,9 @@ def _control(asm: Assembly) -> Control:
 
     async def add(request: dict) -> dict:
         weight = None if request.get("weight") is None else _positive(request, "weight")
-        return await asm.reloader.add_mirror(str(request["path"]), weight, _positive(request, "wait"))
+        # The daemon proves every copy it adds (colifs.proof); a request may only ask for more.
+        deep = request.get("deep") is True
+        return await asm.reloader.add_mirror(str(request["path"]), weight, _positive(request, "wait"), deep)
 
     return Control({"mirror-remove": remove, "mirror-add": add})
 

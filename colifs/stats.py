@@ -109,6 +109,7 @@ class MountInfo:
     weights_source: str
     probe: tuple[dict, ...] = ()  # the startup bandwidth probe, when weights were probed
     partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
+    revision: str = "main"  # the Hugging Face cache revision a repository directory serves
 
 
 class Stats:
@@ -226,6 +227,7 @@ class Stats:
             "mountpoint": self.info.mountpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "weights_source": self.info.weights_source,
+            "revision": self.info.revision,
             "routing": self.info.routing,
             "engine": self.info.engine,
             "fills": self.counters.fills,
