@@ -78,15 +78,18 @@ def _as_mounted(st: os.stat_result) -> _Mounted:
     return (st.st_ino, st.st_size, st.st_mtime_ns)
 
 
+_Key = tuple[int, _Mounted]  # a file (inode) in one generation (the primary's file as mounted)
+
+
 class _Store:
     """The tables kept, and the bytes they take."""
 
     def __init__(self) -> None:
-        self.tables: OrderedDict[int, TensorTable] = OrderedDict()
+        self.tables: OrderedDict[_Key, TensorTable] = OrderedDict()
         self.nbytes = 0
 
-    def keep(self, ino: int, table: TensorTable, limit: int) -> None:
-        self.tables[ino] = table
+    def keep(self, key: _Key, table: TensorTable, limit: int) -> None:
+        self.tables[key] = table
         self.nbytes += table.nbytes
         while self.nbytes > limit and len(self.tables) > 1:
             _, old = self.tables.popitem(last=False)
@@ -104,23 +107,25 @@ class TensorTables:
         self.builds = 0
 
     def name_at(self, ino: int, path: str, mounted: _Mounted, offset: int) -> str | None:
-        store = self._store
-        table = store.tables.get(ino)
+        """The tensor holding byte `offset` of file `ino`, the primary's file at `path` as mounted
+        (`mounted`: a table is kept per file and generation)."""
+        store, key = self._store, (ino, mounted)
+        table = store.tables.get(key)
         if table is None:
-            table = self._build(ino, path, mounted)
+            table = self._build(key, path)
         else:
             with contextlib.suppress(KeyError):  # dropped meanwhile by another lookup's build
-                store.tables.move_to_end(ino)
+                store.tables.move_to_end(key)
         return table.name_at(offset)
 
-    def _build(self, ino: int, path: str, mounted: _Mounted) -> TensorTable:
+    def _build(self, key: _Key, path: str) -> TensorTable:
         with self._building:
             store = self._store  # a `forget` meanwhile leaves this table in a store no one reads
-            table = store.tables.get(ino)
+            table = store.tables.get(key)
             if table is None:  # else built while this lookup waited
-                table = table_of(path, mounted)
+                table = table_of(path, key[1])
                 self.builds += 1
-                store.keep(ino, table, self.limit)
+                store.keep(key, table, self.limit)
             return table
 
     def forget(self) -> None:
