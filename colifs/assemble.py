@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 from colifs.backing import BackingIO, OsIO
@@ -23,6 +23,7 @@ from colifs.devices import one_drive
 from colifs.health import Health
 from colifs.kernel import Tuning
 from colifs.logs import RecentWarnings
+from colifs.looplag import LoopLag
 from colifs.namespace import Namespace
 from colifs.probe import ProbeResult, probe, read_wait, table, weights_from
 from colifs.readplan import Router
@@ -73,6 +74,7 @@ class Assembly:
     tuning: Tuning
     adaptive: Adaptive
     reloader: Reloader
+    loop: LoopLag  # how late the trio loop runs (stats.json `loop`): `serve` runs its task
 
 
 @dataclass
@@ -128,7 +130,9 @@ def assemble(
     routing = _routing(cfg, replicas, files, history, groups)
     health = [Health() for _ in routing.replicas]  # [0], the primary's, is never failed
     router = Router(routing.weights, cfg.routing != "expert", health)
-    info = MountInfo(mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial)
+    info = MountInfo(
+        mnt, cfg.engine, cfg.routing, cfg.weights_source, routing.probe, routing.partial, cfg.revision
+    )
     # Copies on one drive measure each other's load: their rates could not move a split.
     adaptive = cfg.adaptive_weights and not groups
     if cfg.adaptive_weights and groups:
@@ -217,6 +221,7 @@ class _Parts:
     history: Usage  # the usage history read at mount: the partial-mirror weights' traffic
     reloads: Reloads
     groups: list[list[int]]  # replicas whose copies share a drive (colifs.devices)
+    loop: LoopLag = field(default_factory=LoopLag)
 
     @property
     def replicas(self) -> list[Replica]:
@@ -224,7 +229,7 @@ class _Parts:
 
     def _reloader(
         self, stats: Stats, set_copy: Callable[[ServedFile, int, Identity | None], bool],
-        apply: Callable[[list[float]], None], engine: _Membership,
+        apply: Callable[[list[float]], None], engine: _Membership, changed: Callable[[], None],
     ) -> Reloader:  # fmt: skip
         def reweigh(weight: Weight | None) -> None:
             if weight is not None:
@@ -250,7 +255,10 @@ class _Parts:
             return index
 
         return Reloader(
-            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, place, self.reloads
+            self.tree, self.files, self.replicas, self.health, set_copy, reweigh, place, self.reloads,
+            mountpoint=self.mnt, revision=self.cfg.revision,
+            io=OsIO(direct=self.cfg.backing_io == "direct"), set_copy_blocks=self.cfg.engine == "native",
+            changed=changed,
         )  # fmt: skip
 
     def _adaptive(
@@ -283,7 +291,7 @@ class _Parts:
     ) -> Stats:
         return Stats(
             self.replicas, self.info, counters, self.health, in_flight, recorder.status, tuning.applied,
-            self.warnings.lines, self.balancer.as_dict, self.reloads.as_dict,
+            self.warnings.lines, self.balancer.as_dict, self.reloads.as_dict, self.loop.as_dict,
         )  # fmt: skip
 
     def _namespace(self, stats: Stats) -> Namespace:
@@ -312,8 +320,9 @@ class _Parts:
             reader.set_weights,
             tuning,
         )
-        reloader = self._reloader(stats, reader.set_copy, reader.set_weights, _Pyfuse3Membership(reader, cfg))
-        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
+        membership = _Pyfuse3Membership(reader, cfg)
+        reloader = self._reloader(stats, reader.set_copy, reader.set_weights, membership, ns.tensors.forget)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader, self.loop)
 
     def native(self, usage_path: str | None, saving: bool, runs: int) -> Assembly:
         from colifs.native import NativeCounters, NativeEngine, key_table
@@ -345,8 +354,8 @@ class _Parts:
             queue_routing=cfg.routing == "queue",
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, engine.set_speeds)
-        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine)
-        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader)
+        reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine, ns.tensors.forget)
+        return Assembly(self.mnt, stats, engine, recorder, tuning, adaptive, reloader, self.loop)
 
     def _waits(self) -> list[float | None]:
         """What a read of each drive waits before its bytes flow (colifs.depth): timed at mount unless

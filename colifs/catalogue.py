@@ -87,8 +87,12 @@ class ServedFile:
         return self.fmt is not None
 
 
-def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | None, Identity | None]:
-    """(why the mirror copy cannot serve the file or None, its identity when it can)."""
+def mirror_problem(
+    mirror_path: str, size: int, header: bytes, not_on: int | None = None
+) -> tuple[str | None, Identity | None]:
+    """(why the mirror copy cannot serve the file or None, its identity when it can). `not_on`:
+    the device of the mount itself (while serving): a copy there, reached by a symlink into the
+    mount say, would have the mount read its own files."""
     try:
         st = os.stat(mirror_path)
     except FileNotFoundError:
@@ -97,6 +101,8 @@ def mirror_problem(mirror_path: str, size: int, header: bytes) -> tuple[str | No
         return f"cannot stat ({e.strerror})", None
     if not stat.S_ISREG(st.st_mode):
         return "not a regular file", None
+    if not_on is not None and st.st_dev == not_on:
+        return "a file of the mount itself (a symlink into it?): the mount would read its own files", None
     if st.st_size != size:
         return f"size differs ({st.st_size} bytes, primary {size})", None
     try:

@@ -351,12 +351,18 @@ def parser() -> argparse.ArgumentParser:
         description="Take a mirror away from a mount while it serves (no new read goes to it, reads in "
         "flight on it finish, then every descriptor the daemon holds there is closed: its drive can be "
         "unmounted), or add one: a removed one back, or a new directory (in a removed one's place, "
-        "else one more), validated as at mount. What a reboot mounts is what fstab or the unit names.",
+        "else one more), judged and validated as at mount (never the mount point or under it, nor the "
+        "primary or a mirror already in use), then its copies' bytes compared with the primary's by the "
+        "daemon. What a reboot mounts is what fstab or the unit names.",
     )
     msub = mi.add_subparsers(dest="mirror_command", required=True, metavar="ACTION", help="remove or add")
     for action, help_ in (
         ("remove", "take MIRROR away; returns once no descriptor is left on it"),
-        ("add", "add MIRROR (a removed one back, or a new one); its valid copies serve at once"),
+        (
+            "add",
+            "add MIRROR (a removed one back, or a new one); its copies serve once the daemon has "
+            "compared them with the primary",
+        ),
     ):
         a = msub.add_parser(action, help=help_, description=help_[0].upper() + help_[1:] + ".")
         a.add_argument("mountpoint", help="a colifs mount point")
@@ -365,6 +371,11 @@ def parser() -> argparse.ArgumentParser:
             a.add_argument(
                 "--weight", type=float, metavar="W",
                 help="its weight, as in --weights (default: the one it had; a new directory's is measured)",
+            )  # fmt: skip
+            a.add_argument(
+                "--deep", action="store_true",
+                help="before its copies serve, the daemon compares every byte of them with the primary "
+                "(default: random 1 MiB ranges of each; give a --timeout long enough to read it all)",
             )  # fmt: skip
         a.add_argument(
             "--timeout", type=float, default=60.0, metavar="S", help="give up after S seconds (default: 60)"
@@ -585,8 +596,9 @@ def reload_line(m: dict) -> str:
     if not m["checked"]:
         return f"down or unreadable, left as it was ({m['model_files']} model files served)"
     busy = f", {len(m['busy'])} busy (left as they were)" if m["busy"] else ""
+    refused = f", {len(m['refused'])} refused (not the primary's bytes)" if m.get("refused") else ""
     served = f"{m['model_files']} model files served"
-    return f"{len(m['added'])} files added, {len(m['dropped'])} dropped{busy}, {served}"
+    return f"{len(m['added'])} files added, {len(m['dropped'])} dropped{busy}{refused}, {served}"
 
 
 def cmd_reload(args: argparse.Namespace) -> int:
@@ -608,12 +620,24 @@ def cmd_mirror(args: argparse.Namespace) -> int:
         raise UsageError(f"--weight must be a positive number, not {weight:g}")
     if args.timeout <= 0:
         raise UsageError("--timeout must be positive")
-    done = mirror(args.mountpoint, args.mirror_command, args.dir, args.timeout, weight)
+    done = mirror(
+        args.mountpoint, args.mirror_command, args.dir, args.timeout, weight, getattr(args, "deep", False)
+    )
     if done["command"] == "remove":
         print(f"mirror {done['path']} removed: {done['files']} files no longer read from it, no descriptor "
               f"left on it ({done['seconds']:g} s)")  # fmt: skip
-    else:
-        print(f"mirror {done['path']} added: {done['files']} files served from it ({done['seconds']:g} s)")
+        return 0
+    proof = done.get("proof", {})
+    how = {
+        "deep": ", every byte compared with the primary",
+        "sampled": ", sampled ranges compared with the primary",
+    }
+    proven = how.get(proof.get("mode"), "")
+    print(
+        f"mirror {done['path']} added: {done['files']} files served from it{proven} ({done['seconds']:g} s)"
+    )
+    for relpath, why in sorted(proof.get("refused", {}).items()):
+        print(f"  not used: {relpath}: {why}")
     return 0
 
 

@@ -12,10 +12,12 @@ import sys
 import threading
 import time
 
+from colifs.checks import judge_mirror
 from colifs.control import NoAnswer, NotAsked, ask, ask_everyone
 from colifs.errors import BusyError, NotMountedError, NotReloadedError, QuietError, UsageError
 from colifs.kernel import colifs_mounts, mount_at, resolved
 from colifs.namespace import CONTROL_DIR, ROUTE_XATTR
+from colifs.progress import Progress
 from colifs.unmount import Busy, UnmountFailed, describe, unmount
 
 
@@ -120,6 +122,10 @@ def _answer(mnt: str, deadline: float, timeout: float) -> dict:
 
 
 ASK_SLACK = 5.0  # s the client waits past the daemon's own deadline, for its answer
+PROOF_POLL = 1.0  # s between looks at the progress of a proof
+
+
+JUDGE_WITHIN = 10.0  # s to judge a directory to add here (it stats it, and the mount's replicas)
 
 
 def _colifs_mount(mountpoint: str) -> str:
@@ -132,10 +138,9 @@ def _colifs_mount(mountpoint: str) -> str:
     return mnt
 
 
-def mirror(mountpoint: str, command: str, path: str, timeout: float, weight: float | None = None) -> dict:
-    """`colifs mirror remove|add`: the mount's daemon does it and answers once it is done (for a
-    removal: once no descriptor is left on the mirror); what it did."""
-    mnt = _colifs_mount(mountpoint)
+def _steerable(mnt: str, timeout: float) -> tuple[dict, int, int]:
+    """The mount's stats.json, its daemon's pid and uid, once the kernel and the daemon agree that
+    the caller's user serves it (NotReloadedError otherwise: nothing is asked)."""
     owner = mount_at(mnt)
     me = os.geteuid()
     if owner is None or owner.user_id != me:  # the kernel's word: whose daemon serves it
@@ -155,8 +160,24 @@ def mirror(mountpoint: str, command: str, path: str, timeout: float, weight: flo
         raise NotReloadedError(
             f"{mnt} says its daemon runs as uid {uid}, but {_who(me)} mounted it; not asked"
         )
+    return st, pid, uid
+
+
+def mirror(
+    mountpoint: str, command: str, path: str, timeout: float, weight: float | None = None, deep: bool = False
+) -> dict:
+    """`colifs mirror remove|add`: the mount's daemon does it and answers once it is done (for a
+    removal: once no descriptor is left on the mirror); what it did. A directory to add is judged
+    here first as the daemon judges it (colifs.checks.judge_mirror), and the daemon's proof of its
+    copies (sampled, or every byte with `deep`) shows its progress on stderr."""
+    mnt = _colifs_mount(mountpoint)
+    st, pid, uid = _steerable(mnt, timeout)
     path = os.path.abspath(path)  # not resolved here: a mirror is removed when its drive hangs
-    request = {"command": f"mirror-{command}", "path": path, "wait": timeout, "weight": weight}
+    entry = mount_at(mnt)
+    dev = entry.dev if entry is not None else 0
+    real = _judge_here(path, mnt, dev, st) if command == "add" else path
+    request = {"command": f"mirror-{command}", "path": path, "wait": timeout, "weight": weight, "deep": deep}
+    shown = _ProofShown(mnt, real) if command == "add" else None
     try:
         return ask(pid, uid, request, timeout + ASK_SLACK, also=st.get("control_socket"))
     except NotAsked as e:
@@ -164,6 +185,69 @@ def mirror(mountpoint: str, command: str, path: str, timeout: float, weight: flo
     except NoAnswer as e:
         done = {"remove": "removed", "add": "added"}[command]
         raise NotReloadedError(f"{mnt}: {e}; {path} may not be {done} (see colifs stats)") from None
+    finally:
+        if shown is not None:
+            shown.stop()
+
+
+def _judge_here(path: str, mnt: str, dev: int, st: dict) -> str:
+    """The directory to add, judged as the daemon will (UsageError if it may not join): its
+    resolved served directory. On a thread, within JUDGE_WITHIN: a path through a drive that does
+    not answer must not hang the command."""
+    states = {"removed": "removed", "down": "down"}
+    known = [
+        (r.get("path", ""), "primary" if i == 0 else states.get(r.get("health", {}).get("state"), "up"))
+        for i, r in enumerate(st.get("replicas", []))
+    ]
+    got: list = []
+
+    def judge() -> None:
+        try:
+            got.append(judge_mirror(path, mnt, dev, known, st.get("revision", "main"))[0])
+        except Exception as e:  # raised on the caller's thread below
+            got.append(e)
+
+    t = threading.Thread(target=judge, daemon=True)
+    t.start()
+    t.join(JUDGE_WITHIN)
+    if not got:
+        raise NotReloadedError(
+            f"{path}: not judged within {JUDGE_WITHIN:g} s (a drive that does not answer?); "
+            "nothing asked of the daemon"
+        )
+    if isinstance(got[0], Exception):
+        raise got[0]
+    return got[0]
+
+
+class _ProofShown:
+    """While the daemon proves the copies of directory `root` (its stats.json `reload.proof`), their
+    progress on stderr (colifs.progress: a line redrawn on a terminal, every 10 s otherwise)."""
+
+    def __init__(self, mnt: str, root: str) -> None:
+        self._mnt, self._root = mnt, root
+        self._since = time.time() - 1.0
+        self._done = threading.Event()
+        self._progress: Progress | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(PROOF_POLL):
+            st = _stats_within(self._mnt, PROOF_POLL)
+            proof = ((st or {}).get("reload") or {}).get("proof") or {}
+            if proof.get("path") != self._root or proof.get("started", 0) < self._since:
+                continue
+            if self._progress is None:
+                label = f"proving {self._root} against the primary ({proof['mode']})"
+                self._progress = Progress(proof["bytes"], label)
+            self._progress.add(proof["bytes_done"] - self._progress.done)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(PROOF_POLL + 1.0)
+        if self._progress is not None and (sys.stderr.isatty() or time.time() - self._since > 10):
+            self._progress.finish()
 
 
 def _who(uid: int) -> str:

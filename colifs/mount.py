@@ -75,7 +75,7 @@ def _run(asm: Assembly, usage_interval: float, on_ready: Callable[[], None], ear
         engine.mount()
     except RuntimeError as e:
         raise MountError(f"cannot mount on {asm.mountpoint}: {e}") from None
-    tasks: list[Callable[[], Awaitable[None]]] = [engine.watch, asm.adaptive.run]
+    tasks: list[Callable[[], Awaitable[None]]] = [engine.watch, asm.adaptive.run, asm.loop.run]
     if asm.recorder.saving:
         tasks.append(functools.partial(asm.recorder.keep, usage_interval))
     tasks.append(functools.partial(_reload_on_signal, asm, early))
@@ -103,7 +103,9 @@ def _control(asm: Assembly) -> Control:
 
     async def add(request: dict) -> dict:
         weight = None if request.get("weight") is None else _positive(request, "weight")
-        return await asm.reloader.add_mirror(str(request["path"]), weight, _positive(request, "wait"))
+        # The daemon proves every copy it adds (colifs.proof); a request may only ask for more.
+        deep = request.get("deep") is True
+        return await asm.reloader.add_mirror(str(request["path"]), weight, _positive(request, "wait"), deep)
 
     async def status(request: dict) -> dict:
         return status_of(asm)

@@ -10,15 +10,16 @@ import json
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from colifs.catalogue import ServedFile
-from colifs.formats import tensor_at
 from colifs.formats.layout import HEADER, ExpertKey
 from colifs.replicas import Replica
 from colifs.stats import Stats
+from colifs.tensors import TensorTables
 from colifs.tree import ROOT_INO, Tree
 
 log = logging.getLogger("colifs")
@@ -34,6 +35,7 @@ ENOATTR = errno.ENODATA
 WRITE_BITS = stat.S_IWUSR | stat.S_IWGRP | stat.S_IWOTH
 CACHE_TIMEOUT = 3600.0  # the backing files are immutable while mounted
 CONTROL_STEP = 64  # bytes: a control file's size grows in steps of this, with 1/8 room to spare
+SHARED_FOR = 0.5  # s a control file's rendering is shown to other users before a new one is made
 
 
 def _room(n: int) -> int:
@@ -73,6 +75,9 @@ class Namespace:
         self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self._drive_at = drive_at  # the drive that serves a byte now (the engine knows health)
         self._control_sizes: dict[int, int] = {}  # grows only (see snapshot)
+        self._shared: dict[int, tuple[float, bytes]] = {}  # per control file: (made at, rendering)
+        self._rendering = threading.Lock()  # other users' renderings: one at a time
+        self.tensors = TensorTables()  # route lookups: each file's tensors, kept until `forget`
         self._attrs = {ino: self._node_attr(ino) for ino in tree.nodes}
         root = self._attrs[ROOT_INO]
         started = int(stats.started * 1e9)
@@ -137,16 +142,38 @@ class Namespace:
         """The primary's filesystem: its size and free space are what the mount reports."""
         return os.statvfs(self.tree.root)
 
-    def snapshot(self, ino: int) -> bytes:
+    def snapshot(self, ino: int, uid: int | None = None) -> bytes:
         """A control file's content now, as an open reads it: padded with spaces (before its last
         newline; JSON allows them) to the file's size, which only grows, in steps. So every
         snapshot has the size a stat showed before it, and cp, sendfile (which reads up to the
-        size) and json.load all get whole content, however the numbers change in between."""
-        data = self.render(ino)
+        size) and json.load all get whole content, however the numbers change in between.
+
+        `uid`, the caller: the daemon's own user and root (who steer the mount anyway) get one
+        rendered now; other users (an --allow-other mount) one at most SHARED_FOR seconds old,
+        the same for all of them, so no number of them makes the daemon render more than about
+        twice a second."""
+        owner = uid is None or uid in (0, os.geteuid())
+        data = self.render(ino) if owner else self._shared_rendering(ino)
         size = self._control_sizes.get(ino, 0)
         if len(data) > size:
             size = self._control_sizes[ino] = _room(len(data))
         return data[:-1] + b" " * (size - len(data)) + data[-1:]
+
+    def _shared_rendering(self, ino: int) -> bytes:
+        """A recent rendering: a new one once the last is SHARED_FOR old, made by one caller while
+        the others take the last one (none waits, unless there is none yet)."""
+        last = self._shared.get(ino)
+        if last is not None and time.monotonic() - last[0] < SHARED_FOR:
+            return last[1]
+        if not self._rendering.acquire(blocking=last is None):
+            return last[1]  # type: ignore[index]  # another caller renders it now
+        try:
+            last = self._shared.get(ino)
+            if last is None or time.monotonic() - last[0] >= SHARED_FOR:
+                last = self._shared[ino] = (time.monotonic(), self.render(ino))
+            return last[1]
+        finally:
+            self._rendering.release()
 
     def control_size(self, ino: int) -> int:
         size = self._control_sizes.get(ino)
@@ -164,7 +191,8 @@ class Namespace:
     def xattr(self, ino: int, name: bytes) -> bytes:
         """`user.colifs.replicas`: the copies that serve the file, one `role path` per line.
         `user.colifs.route.OFFSET` (not listed): the tensor, key and drive of that byte, as JSON.
-        Blocks (it reads the file's header): call it off the request loop."""
+        Blocks the first time for a file (it reads the file's header): call it off the request
+        loop."""
         f = self.files.get(ino)
         if f is None:
             raise OSError(ENOATTR, "no such attribute")
@@ -182,11 +210,13 @@ class Namespace:
                 raise OSError(ENOATTR, "no such attribute") from None
             if not 0 <= offset < f.size:
                 raise OSError(errno.EINVAL, "offset outside the file")
-            return json.dumps(self._route(f, offset)).encode()
+            return json.dumps(self._route(ino, f, offset)).encode()
         raise OSError(ENOATTR, "no such attribute")
 
-    def _route(self, f: ServedFile, offset: int) -> dict:
-        tensor = tensor_at(os.path.join(self.replicas[0].root, f.relpath), offset)
+    def _route(self, ino: int, f: ServedFile, offset: int) -> dict:
+        st = self.tree.nodes[ino].st  # the primary's file as mounted: the tensors are its
+        path = os.path.join(self.replicas[0].root, f.relpath)
+        tensor = self.tensors.name_at(ino, path, (st.st_ino, f.size, st.st_mtime_ns), offset)
         key: object = None
         if f.layout is not None:
             extent = f.layout.pieces(offset, offset + 1)[0][2]

@@ -344,8 +344,8 @@ class NativeEngine:
 
     # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------
 
-    def _control(self, ino: int) -> bytes | int:
-        return self._guard("open", self.ns.snapshot, ino)
+    def _control(self, ino: int, uid: int) -> bytes | int:
+        return self._guard("open", self.ns.snapshot, ino, uid)
 
     def _xattr(self, ino: int, name: bytes) -> bytes | int:
         return self._guard("getxattr", self.ns.xattr, ino, name)

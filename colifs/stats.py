@@ -109,6 +109,7 @@ class MountInfo:
     weights_source: str
     probe: tuple[dict, ...] = ()  # the startup bandwidth probe, when weights were probed
     partial: dict | None = None  # a partial mirror's routing: coverage, weights, prediction
+    revision: str = "main"  # the Hugging Face cache revision a repository directory serves
 
 
 class Stats:
@@ -127,6 +128,7 @@ class Stats:
         warnings: Callable[[], list[str]],
         balance: Callable[[], dict],
         reloads: Callable[[], dict],
+        loop: Callable[[], dict] = dict,
     ) -> None:
         self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.info = info
@@ -139,6 +141,7 @@ class Stats:
         self._warnings = warnings
         self._balance = balance  # the weights in force and the drives' measured rates
         self._reloads = reloads  # how many reloads ran, and what the last one changed
+        self._loop = loop  # how late the daemon's trio loop runs (colifs.looplag)
         self.last_error: list[str | None] = [None] * len(replicas)
         self.control_socket: str | None = None  # where the daemon takes commands (colifs.control)
         self._lock = threading.Lock()  # per-drive state growing (changing) vs a snapshot of it
@@ -232,6 +235,7 @@ class Stats:
             "mountpoint": self.info.mountpoint,
             "uptime_s": round(time.time() - self.started, 3),
             "weights_source": self.info.weights_source,
+            "revision": self.info.revision,
             "routing": self.info.routing,
             "engine": self.info.engine,
             "fills": self.counters.fills,
@@ -265,6 +269,7 @@ class Stats:
             "usage": self._usage(),
             "partial_mirror": self.info.partial,
             "reload": self._reloads(),
+            "loop": self._loop(),
             "files": {
                 f.relpath: {
                     "replicas": [self.replicas[i].root for i in f.copies],

@@ -39,7 +39,8 @@ colifs bench /mnt/model --zipf 1.0 --mmap""",
     "completion": """colifs completion bash > /etc/bash_completion.d/colifs""",
     "mirror": """colifs mirror remove /mnt/model /second/m && umount /second     # the drive is free at once
 colifs mirror add /mnt/model /second/m --weight 3                 # back (its drive mounted again)
-colifs mirror add /mnt/model /new-ssd/m                           # or a replacement, weight measured""",
+colifs mirror add /mnt/model /new-ssd/m                           # or a replacement, weight measured
+colifs mirror add /mnt/model /new-ssd/m --deep --timeout 3600     # every byte compared first""",
 }
 
 

@@ -339,7 +339,8 @@ typedef struct engine {
 
     /* Calls into Python: rare requests (control files, xattrs) and events. Set by module.c. */
     void *py;
-    int (*control)(void *py, uint64_t ino, char **data, size_t *len);
+    /* uid: the caller's; the daemon's owner gets a fresh snapshot, other users a shared recent one */
+    int (*control)(void *py, uint64_t ino, uint32_t uid, char **data, size_t *len);
     int (*xattr)(void *py, uint64_t ino, const char *name, char **data, size_t *len);
     int (*listxattr)(void *py, uint64_t ino, char **data, size_t *len);
     void (*event)(void *py, int kind, int drive, int32_t file, const char *text, int timed_out,

@@ -40,7 +40,7 @@ node_t *engine_node(engine_t *e, uint64_t ino) {
 /* The attributes of a node. A control file's size is that of a snapshot now (Python pads each to
  * a size that only grows, so a stat before an open matches it) or, asked through an open file,
  * that file's own snapshot's. */
-static int attr_of(engine_t *e, node_t *n, const handle_t *h, struct stat *st) {
+static int attr_of(engine_t *e, fuse_req_t req, node_t *n, const handle_t *h, struct stat *st) {
     *st = n->st;
     if (n->kind == NODE_CONTROL_FILE) {
         size_t len;
@@ -48,7 +48,7 @@ static int attr_of(engine_t *e, node_t *n, const handle_t *h, struct stat *st) {
             len = h->len;
         } else {
             char *data;
-            int err = e->control(e->py, n->ino, &data, &len);
+            int err = e->control(e->py, n->ino, fuse_req_ctx(req)->uid, &data, &len);
             if (err)
                 return err;
             free(data);
@@ -76,7 +76,7 @@ static void op_lookup(fuse_req_t req, fuse_ino_t parent, const char *name) {
         node_t *n = engine_node(e, c->ino);
         struct fuse_entry_param ep;
         memset(&ep, 0, sizeof ep);
-        int err = n ? attr_of(e, n, NULL, &ep.attr) : ENOENT;
+        int err = n ? attr_of(e, req, n, NULL, &ep.attr) : ENOENT;
         if (err) {
             fuse_reply_err(req, err);
             return;
@@ -94,7 +94,7 @@ static void op_getattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi
     node_t *n = engine_node(e, ino);
     const handle_t *h = fi && fi->fh ? (const handle_t *)(uintptr_t)fi->fh : NULL;
     struct stat st;
-    int err = n ? attr_of(e, n, h, &st) : ENOENT;
+    int err = n ? attr_of(e, req, n, h, &st) : ENOENT;
     if (err)
         fuse_reply_err(req, err);
     else
@@ -206,7 +206,7 @@ static void op_open(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {
     }
     if (n->kind == NODE_CONTROL_FILE) {
         /* A snapshot per open, read with direct I/O: every reader sees current numbers. */
-        int err = e->control(e->py, ino, &h->data, &h->len);
+        int err = e->control(e->py, ino, fuse_req_ctx(req)->uid, &h->data, &h->len);
         if (err) {
             free(h);
             fuse_reply_err(req, err);

@@ -53,10 +53,11 @@ static int take_bytes(PyObject *r, char **data, size_t *len) {
     return err;
 }
 
-static int py_control(void *py, uint64_t ino, char **data, size_t *len) {
+static int py_control(void *py, uint64_t ino, uint32_t uid, char **data, size_t *len) {
     EngineObject *self = py;
     PyGILState_STATE g = PyGILState_Ensure();
-    int err = take_bytes(PyObject_CallFunction(self->control, "K", (unsigned long long)ino), data, len);
+    int err = take_bytes(PyObject_CallFunction(self->control, "KI", (unsigned long long)ino, (unsigned int)uid),
+                         data, len);
     PyGILState_Release(g);
     return err;
 }

@@ -5,10 +5,12 @@
 Serves the files of the flat directory SOURCE read-only. Every read looks at the CONTROL file:
 `ok` passes the bytes through, `eio` fails with EIO, `short` returns half of them, `hang` holds
 the read until the mode changes (then answers it as the new mode says), `hang-open` holds every
-open until the mode changes (reads pass), `stale` fails (EIO) every read on a file opened before
-it was set, as the old descriptors of a filesystem mounted again do (new opens read), `hang-flush`
-holds every close (FLUSH) until the mode changes, `hang-all` holds every call that reaches the file
-system (getattr of its root included: a mount whose drive stopped answering). Files are
+open until the mode changes (reads pass), `hang-open-direct` only the O_DIRECT ones (a reader's
+open through a mount waits while the mount's own header reads pass), `stale` fails (EIO) every
+read on a file opened before it was set, as the old descriptors of a filesystem mounted again do
+(new opens read), `hang-flush` holds every close (FLUSH) until the mode changes, `hang-all` holds
+every call that reaches the file system (getattr of its root included: a mount whose drive stopped
+answering). Files are
 opened with direct_io so that no read is answered from the kernel's cache: a fault takes effect
 at once. `slow MBPS` passes the bytes through at MBPS MB/s in all (a drive that slowed down).
 Test tool only: it reads CONTROL on the loop thread (the data on worker threads).
@@ -81,7 +83,9 @@ class FaultFS(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: object) -> pyfuse3.FileInfo:
         if flags & os.O_ACCMODE != os.O_RDONLY:
             raise pyfuse3.FUSEError(errno.EROFS)
-        while self._mode() in ("hang-open", "hang-all"):
+        while (mode := self._mode()) in ("hang-open", "hang-all") or (
+            mode == "hang-open-direct" and flags & os.O_DIRECT
+        ):
             await trio.sleep(0.05)
         fd = os.open(self.paths[inode], os.O_RDONLY)
         self.fds[fd] = inode

@@ -132,7 +132,7 @@ class ColiFS(pyfuse3.Operations):
         if inode in (STATS_INO, STATS_JSON_INO):
             # A snapshot per open, read with direct I/O: every reader sees current numbers.
             fh = self._new_fh()
-            self._handles[fh] = self.ns.snapshot(inode)
+            self._handles[fh] = self.ns.snapshot(inode, ctx.uid)
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         f = self.files.get(inode)
         if f is None:

@@ -146,6 +146,7 @@ def test_sighup_reloads_and_keeps_serving(model) -> None:
             "added": [],
             "dropped": [],
             "busy": [],
+            "refused": [],
             "model_files": 3,
         }
         for p in shards(primary):

@@ -92,6 +92,7 @@ def test_the_reloader_puts_the_verdicts_in_force_and_counts(tmp_path: Path) -> N
             "added": [names[2]],
             "dropped": [],
             "busy": [],
+            "refused": [],
             "model_files": 3,
         }
     ]
