@@ -335,7 +335,7 @@ class NativeEngine:
 
     def _file_row(self, f: ServedFile, key_ids: Mapping[Key, int]) -> tuple:
         mask = sum(1 << d for d in f.copies)
-        idents = [f.identities.get(d, (0, 0, 0, 0)) for d in range(len(self.replicas))]
+        idents = [f.identities.get(d, (0, 0, 0, 0, 0)) for d in range(len(self.replicas))]
         return (os.fsencode(f.relpath), f.size, mask, idents, *run_table(f, self.striping, key_ids))
 
     # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------

@@ -107,14 +107,16 @@ static int same_identity(int fd, const ident_t *want, char *what, size_t n) {
         return 0;
     }
     int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    int64_t ctime = (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec;
     if ((uint64_t)st.st_dev == want->dev && (uint64_t)st.st_ino == want->ino &&
-        (uint64_t)st.st_size == want->size && mtime == want->mtime_ns)
+        (uint64_t)st.st_size == want->size && mtime == want->mtime_ns && ctime == want->ctime_ns)
         return 1;
-    snprintf(what, n, "device %llu -> %llu, inode %llu -> %llu, size %llu -> %llu, mtime %lld -> %lld",
+    snprintf(what, n,
+             "device %llu -> %llu, inode %llu -> %llu, size %llu -> %llu, mtime %lld -> %lld, ctime %lld -> %lld",
              (unsigned long long)want->dev, (unsigned long long)st.st_dev,
              (unsigned long long)want->ino, (unsigned long long)st.st_ino,
              (unsigned long long)want->size, (unsigned long long)st.st_size,
-             (long long)want->mtime_ns, (long long)mtime);
+             (long long)want->mtime_ns, (long long)mtime, (long long)want->ctime_ns, (long long)ctime);
     return 0;
 }
 

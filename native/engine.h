@@ -60,9 +60,11 @@ enum event_kind {
     EV_NO_PASSTHROUGH,    /* the kernel refused passthrough: page-cache opens are served */
 };
 
+/* What a copy must still be (fstat): the ctime too, as user space cannot set it back (a copy
+ * rewritten in place with its mtime restored still shows a new one). colifs.replicas.identity. */
 typedef struct {
     uint64_t dev, ino, size;
-    int64_t mtime_ns;
+    int64_t mtime_ns, ctime_ns;
 } ident_t;
 
 typedef struct {

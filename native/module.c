@@ -203,6 +203,16 @@ static int load_children(engine_t *e, PyObject *children) {
     return 0;
 }
 
+/* (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): colifs.replicas.Identity. 0 on a Python error. */
+static int parse_ident(PyObject *id, ident_t *out) {
+    unsigned long long dev, ino, sz;
+    long long mt, ct;
+    if (!PyArg_ParseTuple(id, "KKKLL", &dev, &ino, &sz, &mt, &ct))
+        return 0;
+    *out = (ident_t){dev, ino, sz, mt, ct};
+    return 1;
+}
+
 /* Each replica's identity of the file's copy at mount (what a reopened copy must still be). */
 static int load_identities(engine_t *e, file_t *f, PyObject *idents) {
     if (PySequence_Size(idents) != e->nrep) {
@@ -213,13 +223,12 @@ static int load_identities(engine_t *e, file_t *f, PyObject *idents) {
         PyObject *id = PySequence_GetItem(idents, d);
         if (!id)
             return -1;
-        unsigned long long dev, ino, sz;
-        long long mt;
-        int ok = PyArg_ParseTuple(id, "KKKL", &dev, &ino, &sz, &mt);
+        ident_t got;
+        int ok = parse_ident(id, &got);
         Py_DECREF(id);
         if (!ok)
             return -1;
-        f->ident[d] = (ident_t){dev, ino, sz, mt};
+        f->ident[d] = got;
     }
     return 0;
 }
@@ -648,13 +657,8 @@ static PyObject *Engine_set_copy(EngineObject *self, PyObject *args) {
         return NULL;
     }
     ident_t ident;
-    if (id != Py_None) {
-        unsigned long long dev, ino, sz;
-        long long mt;
-        if (!PyArg_ParseTuple(id, "KKKL", &dev, &ino, &sz, &mt))
-            return NULL;
-        ident = (ident_t){dev, ino, sz, mt};
-    }
+    if (id != Py_None && !parse_ident(id, &ident))
+        return NULL;
     int err;
     /* It waits for the file's lock, which a primary open holds while it may call into Python. */
     Py_BEGIN_ALLOW_THREADS
