@@ -583,7 +583,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     for m in last["mirrors"]:
         print(f"mirror {m['path']}: " + reload_line(m))
     for relpath in last["primary_changed"]:
-        print(f"primary {relpath}: changed since mount; served as before (remount to serve it)")
+        print(f"primary {relpath}: changed since mount; opens of it fail (EIO) until it is mounted again")
     return 0
 
 

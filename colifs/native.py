@@ -336,6 +336,7 @@ class NativeEngine:
     def _file_row(self, f: ServedFile, key_ids: Mapping[Key, int]) -> tuple:
         mask = sum(1 << d for d in f.copies)
         idents = [f.identities.get(d, (0, 0, 0, 0, 0)) for d in range(len(self.replicas))]
+        idents[0] = f.primary_identity or (0, 0, 0, 0, 0)  # what a reopen of the primary must find
         return (os.fsencode(f.relpath), f.size, mask, idents, *run_table(f, self.striping, key_ids))
 
     # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------
@@ -380,6 +381,9 @@ class NativeEngine:
         assert f is not None
         if kind == _native.EV_NO_FDS:
             self.mirrors.out_of_descriptors(f, drive)
+            return
+        if kind == _native.EV_PRIMARY_CHANGED:
+            self.mirrors.primary_changed(f, text)
             return
         if kind == _native.EV_PRIMARY_FAILED:
             self.stats.failed(0, text)

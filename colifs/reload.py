@@ -5,8 +5,9 @@ the partial-mirror weights follow the new set of copies. `recheck` reads the hea
 data) and returns what changed, without touching the mount; `Reloader` puts it in force: the
 engine's per-file copies first (a read in flight finishes on the copy it started with, or is read
 from the primary), then the catalogue, the receipts and the weights. `Reloads` keeps what
-stats.json shows of it. The primary cannot change while mounted: a reload that finds it changed
-says so and leaves that file as it is.
+stats.json shows of it. The primary cannot change while mounted: a primary file found changed is
+refused to new opens (EIO) by the engines, the reload says which, and drops its mirror copies that
+changed too (the others still hold the bytes mounted, which the files open before read on).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from colifs.formats.moe import Configs
 from colifs.health import Health
 from colifs.kernel import held_under
 from colifs.probe import probe_replica
-from colifs.replicas import Identity, Replica
+from colifs.replicas import Identity, Replica, identity
 from colifs.tree import Tree
 
 log = logging.getLogger("colifs")
@@ -73,6 +74,7 @@ def recheck(
         header = _primary_header(tree, ino, f, configs)
         if header is None:
             primary_changed.append(f.relpath)
+            verdicts.extend(_changed_with_it(ino, f, replicas))
             continue
         for r in replicas[1:]:
             problem, ident = mirror_problem(os.path.join(r.root, f.relpath), f.size, header)
@@ -84,15 +86,30 @@ def recheck(
     return verdicts, primary_changed
 
 
+def _changed_with_it(ino: int, f: ServedFile, replicas: Sequence[Replica]) -> list[Verdict]:
+    """A changed primary's mirror copies that are no longer the ones validated either (an rsync
+    of the new file, say): dropped. The others are kept: they hold the bytes mounted, which the
+    files open since before the change read on."""
+    out = []
+    for r in replicas[1:]:
+        if r.index in f.copies and _identity_of(os.path.join(r.root, f.relpath)) != f.identities.get(r.index):
+            out.append(Verdict(ino, r.index, None, "changed, as its primary did"))
+    return out
+
+
+def _identity_of(path: str) -> Identity | None:
+    try:
+        return identity(os.stat(path))
+    except OSError:
+        return None
+
+
 def _primary_header(tree: Tree, ino: int, f: ServedFile, configs: Configs) -> bytes | None:
     """The header the mirrors must match; None when the primary's file is not the one mounted."""
     path = os.path.join(tree.root, f.relpath)
-    mounted = tree.nodes[ino].st
     fmt = format_for(path)
     try:
-        st = os.stat(path)
-        now, then = (st.st_ino, st.st_size, st.st_mtime_ns), (mounted.st_ino, f.size, mounted.st_mtime_ns)
-        if fmt is None or now != then:
+        if fmt is None or identity(os.stat(path)) != identity(tree.nodes[ino].st):
             return None
         size, header, _ = fmt.read(path, configs.experts_for(f.relpath))
     except (OSError, LayoutError):
@@ -187,8 +204,8 @@ class Reloader:
         )
         for relpath in primary_changed:
             log.warning(
-                "reload: %s: the primary changed since mount (not supported while mounted); "
-                "served as before, unmount and mount again to serve the new file",
+                "reload: %s: the primary changed since mount (not supported while mounted); opens "
+                "of it fail (EIO) until it is mounted again (files open before read the file mounted)",
                 relpath,
             )
         applied, busy = await self._apply([replace(v, why=f"{v.why} (reload)") for v in verdicts])

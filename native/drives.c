@@ -47,6 +47,8 @@ struct pending {
     job_t jobs[];
 };
 
+static void note(notes_t *nt, int kind, int drive, int timed_out, uint32_t gen, const char *what);
+
 static __thread char *thread_buf; /* REQ_BUF bytes, page-aligned, one per FUSE thread */
 static pthread_key_t buf_key;
 static pthread_once_t buf_once = PTHREAD_ONCE_INIT;
@@ -143,21 +145,32 @@ int open_backing(engine_t *e, int drive, const char *relpath, int *direct) {
 }
 
 int file_open(engine_t *e, file_t *f) {
+    notes_t nt = {.n = 0};
     pthread_mutex_lock(&f->lock);
-    int err = file_open_locked(e, f);
+    int err = file_open_locked(e, f, &nt);
     pthread_mutex_unlock(&f->lock);
+    send_notes(e, f, &nt);
     return err;
 }
 
 /* The primary's open holds the file's lock: it runs only when nothing holds the file (refs == 0: no
- * open, no job, no fill), so only other opens of the file wait, and they need this descriptor. */
-int file_open_locked(engine_t *e, file_t *f) {
+ * open, no job, no fill), so only other opens of the file wait, and they need this descriptor.
+ * It must find the file mounted (ident[0]): a file replaced since (an `hf download`, an rsync) has
+ * other headers and other bytes than the run table and the mirrors' copies, and serving it would
+ * mix them. It is refused (EIO) instead, until a remount; opens that hold the old file read on. */
+int file_open_locked(engine_t *e, file_t *f, notes_t *nt) {
     int err = 0;
     if (f->refs == 0) {
         int direct;
+        char what[200];
         int fd = open_backing(e, 0, f->relpath, &direct);
         if (fd < 0) {
             err = errno;
+        } else if (f->ident[0].ino && !same_identity(fd, &f->ident[0], what, sizeof what)) { /* 0: not known */
+            close(fd);
+            err = EIO;
+            if (!atomic_exchange(&f->primary_changed, 1))
+                note(nt, EV_PRIMARY_CHANGED, 0, 0, 0, what);
         } else {
             atomic_store(&f->fd[0], fd);
             f->direct[0] = direct;

@@ -58,6 +58,7 @@ enum event_kind {
     EV_NO_DIRECT,         /* a drive's filesystem refused O_DIRECT: read buffered */
     EV_NO_FDS,            /* a mirror copy could not be opened for want of descriptors */
     EV_NO_PASSTHROUGH,    /* the kernel refused passthrough: page-cache opens are served */
+    EV_PRIMARY_CHANGED,   /* the primary's file is not the one mounted: its opens fail (EIO) */
 };
 
 /* What a copy must still be (fstat): the ctime too, as user space cannot set it back (a copy
@@ -96,10 +97,13 @@ typedef struct {
     _Atomic uint32_t mask;     /* replicas holding a valid copy (bit d: drive d; bit 0 always) */
     _Atomic uint32_t dropped;  /* mirrors changed since mount or reload: not used until a reload */
     /* What each copy must still be (fstat), and its generation: +1 each time a reload changes the
-     * copy (file_set_copy). Lock rules: both change under lock; readers copy ident under lock (a
-     * mirror job takes its copy when it is handed out) and load copy_gen without it. */
+     * copy (file_set_copy). ident[0] is the primary's file at mount: its headers and run table are
+     * that file's, so a reopen that finds another is refused (file_open_locked). Lock rules: both
+     * change under lock; readers copy ident under lock (a mirror job takes its copy when it is
+     * handed out) and load copy_gen without it. */
     ident_t ident[MAX_REPLICAS];
     _Atomic uint32_t copy_gen[MAX_REPLICAS];
+    _Atomic int primary_changed; /* the primary was found not the one mounted (said once) */
     /* Run table (colifs.readplan.run_table), independent of the weights: segment i is
      * [start[i], start[i+1]) (the last ends at size), key[i] (-1: header or plain bytes, from the
      * primary), pos[i] its fixed-point routing position, rot[i] its stripe rotation (NOT_STRIPED:
@@ -383,7 +387,9 @@ void fill_free_arena(engine_t *e); /* after the loop */
  * (read it from the primary). */
 int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
 int file_open(engine_t *e, file_t *f);
-int file_open_locked(engine_t *e, file_t *f); /* f->lock held */
+/* f->lock held. A first open (refs 0) opens the primary, refused (EIO) if it is not the file
+ * mounted; that is noted in nt once per file, for send_notes once the lock is dropped. */
+int file_open_locked(engine_t *e, file_t *f, notes_t *nt);
 void file_release(engine_t *e, file_t *f);
 int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
 int set_routes(engine_t *e, const uint8_t *data, size_t len); /* 0, or -1 when they are invalid */

@@ -926,7 +926,8 @@ static int add_constants(PyObject *m) {
                    PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
                    PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
                    PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0
+                   PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_PRIMARY_CHANGED", EV_PRIMARY_CHANGED) < 0
                ? -1
                : 0;
 }

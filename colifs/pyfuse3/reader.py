@@ -177,7 +177,7 @@ class Reader:
         """Open the primary copy (errors propagate) and every usable mirror copy (errors warn)."""
         of = self._open.get(f.relpath)
         if of is None:
-            fd = await self.workers[0].run(self.io.open, self._path(0, f))
+            fd = await self._open_primary(f)
             of = self._open.get(f.relpath)
             if of is None:
                 fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
@@ -187,6 +187,19 @@ class Reader:
             self._close(0, fd)  # another task opened it meanwhile
         of.hold()
         return of
+
+    async def _open_primary(self, f: ServedFile) -> int:
+        """The primary's copy, if it is still the file mounted: its headers and run table are that
+        file's, so a file replaced since (a rename, a rewrite) would mix its new bytes with the
+        mirrors' old ones. EIO instead, said once per file."""
+        path = self._path(0, f)
+        if f.primary_identity is None:
+            return await self.workers[0].run(self.io.open, path)
+        try:
+            return await self.workers[0].run(open_checked, self.io, path, f.primary_identity)
+        except Changed as e:
+            self.mirrors.primary_changed(f, str(e))
+            raise OSError(errno.EIO, "the primary changed since mount", path) from None
 
     async def _attach(self, of: OpenFile) -> None:
         """Open the file's mirror copies, except on down mirrors: those wait until they are back.
