@@ -337,13 +337,14 @@ def parser() -> argparse.ArgumentParser:
         "mirror",
         help="take a mirror away from a mount, or bring it back, while it serves",
         description="Take a mirror away from a mount while it serves (no new read goes to it, reads in "
-        "flight on it finish, then every descriptor the daemon holds there is closed: its drive can be "
-        "unmounted), or add one: a removed one back, or a new directory (in a removed one's place, "
-        "else one more), validated as at mount. What a reboot mounts is what fstab or the unit names.",
+        "flight on it finish, then every descriptor the daemon holds there is closed and no thread is "
+        "left in a call there: its drive can be unmounted), or add one: a removed one back, or a new "
+        "directory (in a removed one's place, else one more; it never waits for a call stuck in the "
+        "removed drive), validated as at mount. What a reboot mounts is what fstab or the unit names.",
     )
     msub = mi.add_subparsers(dest="mirror_command", required=True, metavar="ACTION", help="remove or add")
     for action, help_ in (
-        ("remove", "take MIRROR away; returns once no descriptor is left on it"),
+        ("remove", "take MIRROR away; returns once no descriptor nor call is left in its drive"),
         ("add", "add MIRROR (a removed one back, or a new one); its valid copies serve at once"),
     ):
         a = msub.add_parser(action, help=help_, description=help_[0].upper() + help_[1:] + ".")
@@ -598,7 +599,7 @@ def cmd_mirror(args: argparse.Namespace) -> int:
     done = mirror(args.mountpoint, args.mirror_command, args.dir, args.timeout, weight)
     if done["command"] == "remove":
         print(f"mirror {done['path']} removed: {done['files']} files no longer read from it, no descriptor "
-              f"left on it ({done['seconds']:g} s)")  # fmt: skip
+              f"nor call left in its drive ({done['seconds']:g} s)")  # fmt: skip
     else:
         print(f"mirror {done['path']} added: {done['files']} files served from it ({done['seconds']:g} s)")
     return 0

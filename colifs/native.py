@@ -9,6 +9,7 @@ primary errors → the log) and answers the rare requests it passes up (control 
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -418,8 +419,17 @@ class NativeEngine:
         self._seen_ok.append(0)  # its counters: Stats.grow
 
     def set_root(self, drive: int, root: str) -> None:
-        """A removed mirror's slot serves another directory (colifs mirror add)."""
-        self.engine.set_root(drive, os.fsencode(root))
+        """A removed mirror's slot serves another directory (colifs mirror add): a new generation
+        of the slot reads it, sharing nothing with the calls still stuck in an older one."""
+        self.engine.renew_drive(drive, os.fsencode(root))
+
+    def retire_drive(self, drive: int) -> Callable[[], int]:
+        """The mirror slot's generation in force retires (colifs mirror remove, its copies out): a
+        new one, with threads, queue and counts of its own, serves what the slot serves next, and
+        never waits for a call stuck in the old one. What counts the threads still inside a call
+        (open, read, fstat, close) on the old one."""
+        number = self.engine.renew_drive(drive, None)
+        return functools.partial(self.engine.calls, drive, number)
 
     def set_speeds(self, rates: list[float | None]) -> None:
         """Each drive's measured bytes/s (None: not measured yet), for --routing queue and for

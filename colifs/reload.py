@@ -126,6 +126,8 @@ class Reloads:
     count: int = 0
     last: dict = field(default_factory=dict)
     mirror_change: dict = field(default_factory=dict)  # the last `colifs mirror add/remove`
+    # Calls still inside the drives of removed mirrors (Reloader.left_behind), looked at each time.
+    _behind: Callable[[], list[dict]] = lambda: []
 
     def begin(self) -> None:
         self.started += 1
@@ -137,20 +139,28 @@ class Reloads:
     def changed_mirror(self, change: dict) -> None:
         self.mirror_change = {"at": round(time.time(), 1), **change}
 
+    def watch(self, behind: Callable[[], list[dict]]) -> None:
+        """What says which removed mirrors' drives still have calls inside them."""
+        self._behind = behind
+
     def as_dict(self) -> dict:
         return {
             "started": self.started,
             "count": self.count,
             "last": self.last,
             "mirror_change": self.mirror_change,
+            "calls_left_behind": self._behind(),
         }
 
 
 class Reloader:
     """Runs reloads for a mount, one at a time: `set_copy(f, drive, identity)` puts a verdict in
     force in the engine (False: busy, ask again); `reweigh()` recomputes the weights once the
-    copies changed. A mirror that is down (health) or whose directory cannot be read is left as it
-    is: a drive that went away for a moment must not lose every copy."""
+    copies changed; `retire(drive)` gives a removed mirror's slot a new generation in the engine
+    (threads and counts of its own, so that nothing a mirror put there later does waits for a call
+    stuck in the removed drive) and returns what counts the calls left in the old one. A mirror
+    that is down (health) or whose directory cannot be read is left as it is: a drive that went
+    away for a moment must not lose every copy."""
 
     def __init__(
         self,
@@ -162,6 +172,7 @@ class Reloader:
         reweigh: Callable[[Weight | None], None],
         place: Callable[[str, float | None, int | None], int],
         record: Reloads,
+        retire: Callable[[int], Callable[[], int]] = lambda _: lambda: 0,
     ) -> None:
         self.tree = tree
         self.files = files
@@ -173,8 +184,12 @@ class Reloader:
         # given, slot) -> its index; every part that holds replicas learns of it.
         self._place = place
         self.record = record
+        self._retire = retire
         self._lock = trio.Lock()
-        self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors left
+        self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors or calls left
+        # (root, calls) of each removed mirror's retired generation whose calls may not all have returned
+        self._behind: list[tuple[str, Callable[[], int]]] = []
+        record.watch(self.left_behind)
 
     async def reload(self) -> dict:
         """Check every mirror again and put what changed in force; what stats.json shows of it.
@@ -283,35 +298,53 @@ class Reloader:
             # With the copies dropped as changed while serving: the engine may hold their descriptors.
             held = [ino for ino, f in self.files.items() if r.index in f.copies or r.index in f.identities]
             t0 = time.monotonic()
+            first = h.removed_at is None
             h.remove()
             log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
             why = "removed (colifs mirror remove)"
             applied, busy = await self._apply([Verdict(ino, r.index, None, why) for ino in held], wait)
             self._reweigh(None)
-            left = await self._closed(r.root, t0 + wait)
+            if first:  # its copies out: no new call starts in its drive, whatever the slot serves next
+                self._behind = [*self._behind, (r.root, self._retire(r.index))]
+            left, calls = await self._closed(r.root, t0 + wait)
             change = {
                 "command": "remove", "path": r.root, "files": len(applied), "busy": len(busy),
-                "descriptors_left": len(left), "seconds": round(time.monotonic() - t0, 3),
+                "descriptors_left": len(left), "calls_left": calls,
+                "seconds": round(time.monotonic() - t0, 3),
             }  # fmt: skip
             self.record.changed_mirror(change)
-            if busy or left:
+            if busy or left or calls:
                 self._unfinished.add(r.index)
                 raise BusyError(
-                    f"{r.root}: after {wait:g} s, {len(busy)} files are still read from it and "
-                    f"{len(left)} descriptors are open there (a read stuck in the drive?); its other "
-                    "files no longer use it; run colifs mirror remove again"
+                    f"{r.root}: after {wait:g} s, {len(busy)} files are still read from it, "
+                    f"{len(left)} descriptors are open there and {calls} calls are still inside its "
+                    "drive (a hung open or read?); its other files no longer use it, and a mirror "
+                    "added in its place does not wait for them; run colifs mirror remove again"
                 )
             self._unfinished.discard(r.index)
             log.info("mirror %s: removed in %.2f s; no descriptor left on it", r.root, change["seconds"])
             return change
 
-    async def _closed(self, root: str, deadline: float) -> list[str]:
-        """Wait until the daemon holds no descriptor under `root` (or the deadline): what is left."""
+    async def _closed(self, root: str, deadline: float) -> tuple[list[str], int]:
+        """Wait until the daemon holds no descriptor under `root` and no thread is inside a call
+        into it (or the deadline): the descriptors and the calls left."""
         while True:
             left = await trio.to_thread.run_sync(held_under, root)
-            if not left or time.monotonic() >= deadline:
-                return left
+            calls = sum(n for r, n in self._calls_behind() if r == root)
+            if (not left and not calls) or time.monotonic() >= deadline:
+                self._behind = [(r, c) for r, c in self._behind if c()]  # the others are over for good
+                return left, calls
             await trio.sleep(CLOSED_POLL)
+
+    def _calls_behind(self) -> list[tuple[str, int]]:
+        """(root, calls) of the removed mirrors' drives with calls inside them now. Read from any
+        thread (stats): the list is replaced, never changed in place."""
+        now = [(root, calls()) for root, calls in self._behind]
+        return [x for x in now if x[1]]
+
+    def left_behind(self) -> list[dict]:
+        """What stats.json shows: each removed mirror whose drive still has calls inside it."""
+        return [{"path": root, "calls": n} for root, n in self._calls_behind()]
 
     async def add_mirror(self, path: str, weight: float | None, wait: float) -> dict:
         """A mirror joins: one removed before (its drive back), or a new directory (in the slot of
@@ -385,13 +418,20 @@ class Reloader:
             raise UsageError(f"{path} is a mirror of this mount already")
         if r is not None:
             return r, False
-        removed = [x for x in self.replicas[1:] if self.health[x.index].removed_at is not None]
-        free = [x for x in removed if x.index not in self._unfinished]
+        free = self._free_slots()
         if free:
             return free[0], True
         if len(self.replicas) >= MAX_REPLICAS:
             raise UsageError(f"{path}: a mount serves at most {MAX_REPLICAS} replicas; remove a mirror first")
         return None, True
+
+    def _free_slots(self) -> list[Replica]:
+        """The removed mirrors' slots a new directory may take: those whose removal finished; else
+        those whose removal left only calls or descriptors in the old drive, no copy: the slot
+        gets a generation of its own in the engine, which never waits for them."""
+        removed = [x for x in self.replicas[1:] if self.health[x.index].removed_at is not None]
+        done = [x for x in removed if x.index not in self._unfinished]
+        return done or [x for x in removed if not any(x.index in f.copies for f in self.files.values())]
 
     def _measure(self, drive: int) -> float | None:
         """The new mirror's read rate over the primary's, each probed alone for a moment (what a
