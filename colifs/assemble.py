@@ -42,11 +42,14 @@ log = logging.getLogger("colifs")
 
 
 class _Membership(Protocol):
-    """What an engine does when a mirror joins while serving (colifs mirror add)."""
+    """What an engine does when a mirror joins or leaves while serving (colifs mirror add/remove)."""
 
     def set_root(self, index: int, root: str) -> None: ...  # a removed mirror's slot, another directory
 
     def add_drive(self, root: str, weights: list[float]) -> None: ...  # one more, no copy on it yet
+
+    # A removed mirror's slot gets a generation of its own; what counts the calls left in the old one.
+    def retire_drive(self, index: int) -> Callable[[], int]: ...
 
 
 class Engine(Protocol):
@@ -256,6 +259,7 @@ class _Parts:
 
         return Reloader(
             self.tree, self.files, self.replicas, self.health, set_copy, reweigh, place, self.reloads,
+            engine.retire_drive,
             mountpoint=self.mnt, revision=self.cfg.revision,
             io=OsIO(direct=self.cfg.backing_io == "direct"), set_copy_blocks=self.cfg.engine == "native",
             changed=changed,
@@ -379,7 +383,15 @@ class _Pyfuse3Membership:
     cfg: MountConfig
 
     def set_root(self, index: int, root: str) -> None:
-        """Nothing: the reader builds each path from the replicas' roots."""
+        """Workers of its own for the directory that takes the slot (the reader builds each path
+        from the replicas' roots): none of them is stuck in a call on the old one."""
+        self.reader.renew(index, _drive_workers(self.cfg, index))
+
+    def retire_drive(self, index: int) -> Callable[[], int]:
+        """The removed mirror's workers retire (they end once their calls return); the slot gets
+        new ones. What counts the calls left in the old ones."""
+        old = self.reader.renew(index, _drive_workers(self.cfg, index))
+        return lambda: old.in_calls
 
     def add_drive(self, root: str, weights: list[float]) -> None:
         self.reader.grow(_drive_workers(self.cfg, len(self.reader.workers)))

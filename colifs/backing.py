@@ -42,8 +42,8 @@ class BackingIO(Protocol):
         """What can be read without blocking (page-cache hits); never blocks, may return 0."""
         ...
 
-    def identity(self, fd: int) -> tuple[int, int, int, int]:
-        """(st_dev, st_ino, st_size, st_mtime_ns) of an open file: has it changed?"""
+    def identity(self, fd: int) -> Identity:
+        """(st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns) of an open file: has it changed?"""
         ...
 
     def close(self, fd: int) -> None: ...
@@ -97,7 +97,7 @@ class OsIO:
         except OSError:  # EAGAIN (not cached), or a real error the blocking path will report
             return 0
 
-    def identity(self, fd: int) -> tuple[int, int, int, int]:
+    def identity(self, fd: int) -> Identity:
         return identity(os.fstat(fd))
 
     def close(self, fd: int) -> None:
@@ -119,7 +119,7 @@ class TimedOut(Exception):
 
 
 def what_changed(before: Identity, now: Identity) -> str:
-    names = ("device", "inode", "size", "mtime")
+    names = ("device", "inode", "size", "mtime", "ctime")
     return ", ".join(f"{n} {a} -> {b}" for n, a, b in zip(names, before, now, strict=True) if a != b)
 
 

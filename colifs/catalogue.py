@@ -52,6 +52,10 @@ class ServedFile:
     vouched: tuple[int, ...] = ()  # mirrors whose `colifs stage` receipt still vouches for its data
     fmt: str | None = None
     reloaded: dict[int, int] = field(default_factory=dict)  # per mirror: reload verdicts applied
+    # The primary's file at mount: its headers and run table are that file's, so a later open must
+    # find the same one (None: not known, not checked).
+    primary_identity: Identity | None = None
+    primary_changed: bool = False  # found replaced or changed: its opens fail (EIO) until remounted
 
     def drop(self, replica: int, why: str) -> None:
         """Stop using a mirror for this file (it changed after mount); notes say why."""
@@ -72,6 +76,16 @@ class ServedFile:
             self.copies = tuple(sorted({*self.copies, replica}))
             self.identities[replica] = ident
         self.note = "; ".join(notes)
+
+    def refuse(self, what: str) -> bool:
+        """The primary's file is no longer the one mounted (`what` changed): noted once; False when
+        it was already."""
+        if self.primary_changed:
+            return False
+        self.primary_changed = True
+        why = f"the primary changed since mount ({what}): opens fail (EIO) until it is mounted again"
+        self.note = "; ".join(x for x in (self.note, why) if x)
+        return True
 
     def generation(self, replica: int) -> int:
         """How many reload verdicts changed the mirror's copy: the native engine counts alike
@@ -181,11 +195,17 @@ def build_files(tree: Tree, replicas: Sequence[Replica]) -> dict[int, ServedFile
     key_bytes = key_sizes(f.layout for f in checked.values() if f.layout is not None)
     # Keys smaller than two chunks stay whole on one drive, in both routing modes.
     striped = {k for k, n in key_bytes.items() if n >= 2 * CHUNK}
-    return {ino: _routed(f, where, striped, vouched.get(ino, ())) for ino, f in checked.items()}
+    return {
+        ino: _routed(f, where, striped, vouched.get(ino, ()), identity(tree.nodes[ino].st))
+        for ino, f in checked.items()
+    }
 
 
-def _routed(f: ServedFile, where: Mapping, striped: set, vouched: tuple[int, ...]) -> ServedFile:
-    """`f` with its extents' routing positions, stripe rotations and receipt-vouched copies."""
+def _routed(
+    f: ServedFile, where: Mapping, striped: set, vouched: tuple[int, ...], primary: Identity
+) -> ServedFile:
+    """`f` with its extents' routing positions, stripe rotations, receipt-vouched copies and the
+    identity of the primary's file it was read from."""
     keys = f.layout.keys if f.layout is not None else ()
     rotation = stripe_rotation(f.relpath)
     return dataclasses.replace(
@@ -193,6 +213,7 @@ def _routed(f: ServedFile, where: Mapping, striped: set, vouched: tuple[int, ...
         positions=tuple(where[k] for k in keys),
         stripes=tuple(rotation if k in striped else NOT_STRIPED for k in keys),
         vouched=vouched,
+        primary_identity=primary,
     )
 
 

@@ -349,15 +349,16 @@ def parser() -> argparse.ArgumentParser:
         "mirror",
         help="take a mirror away from a mount, or bring it back, while it serves",
         description="Take a mirror away from a mount while it serves (no new read goes to it, reads in "
-        "flight on it finish, then every descriptor the daemon holds there is closed: its drive can be "
-        "unmounted), or add one: a removed one back, or a new directory (in a removed one's place, "
-        "else one more), judged and validated as at mount (never the mount point or under it, nor the "
+        "flight on it finish, then every descriptor the daemon holds there is closed and no thread is "
+        "left in a call there: its drive can be unmounted), or add one: a removed one back, or a new "
+        "directory (in a removed one's place, else one more; it never waits for a call stuck in the "
+        "removed drive), judged and validated as at mount (never the mount point or under it, nor the "
         "primary or a mirror already in use), then its copies' bytes compared with the primary's by the "
         "daemon. What a reboot mounts is what fstab or the unit names.",
     )
     msub = mi.add_subparsers(dest="mirror_command", required=True, metavar="ACTION", help="remove or add")
     for action, help_ in (
-        ("remove", "take MIRROR away; returns once no descriptor is left on it"),
+        ("remove", "take MIRROR away; returns once no descriptor nor call is left in its drive"),
         (
             "add",
             "add MIRROR (a removed one back, or a new one); its copies serve once the daemon has "
@@ -608,7 +609,7 @@ def cmd_reload(args: argparse.Namespace) -> int:
     for m in last["mirrors"]:
         print(f"mirror {m['path']}: " + reload_line(m))
     for relpath in last["primary_changed"]:
-        print(f"primary {relpath}: changed since mount; served as before (remount to serve it)")
+        print(f"primary {relpath}: changed since mount; opens of it fail (EIO) until it is mounted again")
     return 0
 
 
@@ -625,7 +626,7 @@ def cmd_mirror(args: argparse.Namespace) -> int:
     )
     if done["command"] == "remove":
         print(f"mirror {done['path']} removed: {done['files']} files no longer read from it, no descriptor "
-              f"left on it ({done['seconds']:g} s)")  # fmt: skip
+              f"nor call left in its drive ({done['seconds']:g} s)")  # fmt: skip
         return 0
     proof = done.get("proof", {})
     how = {

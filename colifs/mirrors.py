@@ -90,6 +90,17 @@ class MirrorPolicy:
             )
         return True
 
+    def primary_changed(self, f: ServedFile, what: str) -> None:
+        """The primary's file is not the one mounted (replaced by a rename, rewritten, touched): its
+        headers and run table are the old file's, so no open may read the new one. The engines
+        refuse the open (EIO); this says so once per file."""
+        if f.refuse(what):
+            log.warning(
+                "%s: the primary changed since mount (%s); opens of it fail (EIO) until it is "
+                "mounted again (files open before read the file mounted)",
+                f.relpath, what,
+            )  # fmt: skip
+
     def due(self) -> list[int]:
         """The down mirrors whose back-off is over."""
         return [d for d in range(1, len(self.replicas)) if self.health[d].due()]

@@ -9,6 +9,7 @@ primary errors → the log) and answers the rare requests it passes up (control 
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -339,7 +340,8 @@ class NativeEngine:
 
     def _file_row(self, f: ServedFile, key_ids: Mapping[Key, int]) -> tuple:
         mask = sum(1 << d for d in f.copies)
-        idents = [f.identities.get(d, (0, 0, 0, 0)) for d in range(len(self.replicas))]
+        idents = [f.identities.get(d, (0, 0, 0, 0, 0)) for d in range(len(self.replicas))]
+        idents[0] = f.primary_identity or (0, 0, 0, 0, 0)  # what a reopen of the primary must find
         return (os.fsencode(f.relpath), f.size, mask, idents, *run_table(f, self.striping, key_ids))
 
     # -- calls from the engine (FUSE threads, with the GIL): never raise -----------------------
@@ -388,6 +390,9 @@ class NativeEngine:
         if kind == _native.EV_NO_FDS:
             self.mirrors.out_of_descriptors(f, drive)
             return
+        if kind == _native.EV_PRIMARY_CHANGED:
+            self.mirrors.primary_changed(f, text)
+            return
         if kind == _native.EV_PRIMARY_FAILED:
             self.stats.failed(0, text)
             self._warn((f.relpath, 0), "%s: primary read error: %s", f.relpath, text)
@@ -421,8 +426,17 @@ class NativeEngine:
         self._seen_ok.append(0)  # its counters: Stats.grow
 
     def set_root(self, drive: int, root: str) -> None:
-        """A removed mirror's slot serves another directory (colifs mirror add)."""
-        self.engine.set_root(drive, os.fsencode(root))
+        """A removed mirror's slot serves another directory (colifs mirror add): a new generation
+        of the slot reads it, sharing nothing with the calls still stuck in an older one."""
+        self.engine.renew_drive(drive, os.fsencode(root))
+
+    def retire_drive(self, drive: int) -> Callable[[], int]:
+        """The mirror slot's generation in force retires (colifs mirror remove, its copies out): a
+        new one, with threads, queue and counts of its own, serves what the slot serves next, and
+        never waits for a call stuck in the old one. What counts the threads still inside a call
+        (open, read, fstat, close) on the old one."""
+        number = self.engine.renew_drive(drive, None)
+        return functools.partial(self.engine.calls, drive, number)
 
     def set_speeds(self, rates: list[float | None]) -> None:
         """Each drive's measured bytes/s (None: not measured yet), for --routing queue and for

@@ -5,8 +5,9 @@ the partial-mirror weights follow the new set of copies. `recheck` reads the hea
 data) and returns what changed, without touching the mount; `Reloader` puts it in force: the
 engine's per-file copies first (a read in flight finishes on the copy it started with, or is read
 from the primary), then the catalogue, the receipts and the weights. `Reloads` keeps what
-stats.json shows of it. The primary cannot change while mounted: a reload that finds it changed
-says so and leaves that file as it is.
+stats.json shows of it. The primary cannot change while mounted: a primary file found changed is
+refused to new opens (EIO) by the engines, the reload says which, and drops its mirror copies that
+changed too (the others still hold the bytes mounted, which the files open before read on).
 
 A copy that starts serving while the mount serves (a reload, `colifs mirror add`) first proves
 its bytes (colifs.proof). Nothing here blocks the daemon's trio loop: every stat, header read,
@@ -39,7 +40,7 @@ from colifs.kernel import held_under, mount_at
 from colifs.offload import Crowded, Offload
 from colifs.probe import probe_replica
 from colifs.proof import Claim, Proving, prove
-from colifs.replicas import Identity, Replica
+from colifs.replicas import Identity, Replica, identity
 from colifs.tree import Tree
 from colifs.units import human
 
@@ -93,6 +94,7 @@ def recheck(
         header = _primary_header(tree, ino, f, configs)
         if header is None:
             primary_changed.append(f.relpath)
+            verdicts.extend(_changed_with_it(ino, f, replicas))
             continue
         for r in replicas[1:]:
             problem, ident = mirror_problem(os.path.join(r.root, f.relpath), f.size, header, not_on)
@@ -104,15 +106,30 @@ def recheck(
     return verdicts, primary_changed
 
 
+def _changed_with_it(ino: int, f: ServedFile, replicas: Sequence[Replica]) -> list[Verdict]:
+    """A changed primary's mirror copies that are no longer the ones validated either (an rsync
+    of the new file, say): dropped. The others are kept: they hold the bytes mounted, which the
+    files open since before the change read on."""
+    out = []
+    for r in replicas[1:]:
+        if r.index in f.copies and _identity_of(os.path.join(r.root, f.relpath)) != f.identities.get(r.index):
+            out.append(Verdict(ino, r.index, None, "changed, as its primary did"))
+    return out
+
+
+def _identity_of(path: str) -> Identity | None:
+    try:
+        return identity(os.stat(path))
+    except OSError:
+        return None
+
+
 def _primary_header(tree: Tree, ino: int, f: ServedFile, configs: Configs) -> bytes | None:
     """The header the mirrors must match; None when the primary's file is not the one mounted."""
     path = os.path.join(tree.root, f.relpath)
-    mounted = tree.nodes[ino].st
     fmt = format_for(path)
     try:
-        st = os.stat(path)
-        now, then = (st.st_ino, st.st_size, st.st_mtime_ns), (mounted.st_ino, f.size, mounted.st_mtime_ns)
-        if fmt is None or now != then:
+        if fmt is None or identity(os.stat(path)) != identity(tree.nodes[ino].st):
             return None
         size, header, _ = fmt.read(path, configs.experts_for(f.relpath))
     except (OSError, LayoutError):
@@ -142,6 +159,8 @@ class Reloads:
     last: dict = field(default_factory=dict)
     mirror_change: dict = field(default_factory=dict)  # the last `colifs mirror add/remove`
     proof: Proving | None = None  # the proof running, or the last one (colifs.proof)
+    # Calls still inside the drives of removed mirrors (Reloader.left_behind), looked at each time.
+    _behind: Callable[[], list[dict]] = lambda: []
 
     def begin(self) -> None:
         self.started += 1
@@ -157,6 +176,10 @@ class Reloads:
     def changed_mirror(self, change: dict) -> None:
         self.mirror_change = {"at": round(time.time(), 1), **change}
 
+    def watch(self, behind: Callable[[], list[dict]]) -> None:
+        """What says which removed mirrors' drives still have calls inside them."""
+        self._behind = behind
+
     def as_dict(self) -> dict:
         return {
             "started": self.started,
@@ -164,14 +187,18 @@ class Reloads:
             "last": self.last,
             "mirror_change": self.mirror_change,
             "proof": None if self.proof is None else self.proof.as_dict(),
+            "calls_left_behind": self._behind(),
         }
 
 
 class Reloader:
     """Runs reloads for a mount, one at a time: `set_copy(f, drive, identity)` puts a verdict in
     force in the engine (False: busy, ask again); `reweigh()` recomputes the weights once the
-    copies changed. A mirror that is down (health) or whose directory cannot be read is left as it
-    is: a drive that went away for a moment must not lose every copy.
+    copies changed; `retire(drive)` gives a removed mirror's slot a new generation in the engine
+    (threads and counts of its own, so that nothing a mirror put there later does waits for a call
+    stuck in the removed drive) and returns what counts the calls left in the old one. A mirror
+    that is down (health) or whose directory cannot be read is left as it is: a drive that went
+    away for a moment must not lose every copy.
 
     `mountpoint` (resolved) and `revision`: what a directory to add is judged against, as at mount
     (colifs.checks.judge_mirror); `io`: the reads that prove a new copy's bytes (the engine's);
@@ -188,6 +215,7 @@ class Reloader:
         reweigh: Callable[[Weight | None], None],
         place: Callable[[str, float | None, int | None], int],
         record: Reloads,
+        retire: Callable[[int], Callable[[], int]] = lambda _: lambda: 0,
         *,
         mountpoint: str | None = None,
         revision: str = "main",
@@ -205,8 +233,12 @@ class Reloader:
         # given, slot) -> its index; every part that holds replicas learns of it.
         self._place = place
         self.record = record
+        self._retire = retire
         self._lock = trio.Lock()
-        self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors left
+        self._unfinished: set[int] = set()  # mirrors whose removal ended with descriptors or calls left
+        # (root, calls) of each removed mirror's retired generation whose calls may not all have returned
+        self._behind: list[tuple[str, Callable[[], int]]] = []
+        record.watch(self.left_behind)
         self.mountpoint = mountpoint
         self.revision = revision
         self.io = io or OsIO(direct=True)
@@ -251,8 +283,8 @@ class Reloader:
         verdicts, refused = await self._proven_on_reload(verdicts)
         for relpath in primary_changed:
             log.warning(
-                "reload: %s: the primary changed since mount (not supported while mounted); "
-                "served as before, unmount and mount again to serve the new file",
+                "reload: %s: the primary changed since mount (not supported while mounted); opens "
+                "of it fail (EIO) until it is mounted again (files open before read the file mounted)",
                 relpath,
             )
         applied, busy = await self._apply([replace(v, why=f"{v.why} (reload)") for v in verdicts])
@@ -474,35 +506,43 @@ class Reloader:
             # With the copies dropped as changed while serving: the engine may hold their descriptors.
             held = [ino for ino, f in self.files.items() if r.index in f.copies or r.index in f.identities]
             t0 = time.monotonic()
+            first = h.removed_at is None
             h.remove()
             log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
             why = "removed (colifs mirror remove)"
             applied, busy = await self._apply([Verdict(ino, r.index, None, why) for ino in held], wait)
             self._reweigh(None)
             self._changed()
-            left = await self._closed(r.root, t0 + wait)
+            if first:  # its copies out: no new call starts in its drive, whatever the slot serves next
+                self._behind = [*self._behind, (r.root, self._retire(r.index))]
+            left, calls = await self._closed(r.root, t0 + wait)
             change = {
                 "command": "remove", "path": r.root, "files": len(applied), "busy": len(busy),
-                "descriptors_left": len(left), "seconds": round(time.monotonic() - t0, 3),
+                "descriptors_left": len(left), "calls_left": calls,
+                "seconds": round(time.monotonic() - t0, 3),
             }  # fmt: skip
             self.record.changed_mirror(change)
-            if busy or left:
+            if busy or left or calls:
                 self._unfinished.add(r.index)
                 raise BusyError(
-                    f"{r.root}: after {wait:g} s, {len(busy)} files are still read from it and "
-                    f"{len(left)} descriptors are open there (a read stuck in the drive?); its other "
-                    "files no longer use it; run colifs mirror remove again"
+                    f"{r.root}: after {wait:g} s, {len(busy)} files are still read from it, "
+                    f"{len(left)} descriptors are open there and {calls} calls are still inside its "
+                    "drive (a hung open or read?); its other files no longer use it, and a mirror "
+                    "added in its place does not wait for them; run colifs mirror remove again"
                 )
             self._unfinished.discard(r.index)
             log.info("mirror %s: removed in %.2f s; no descriptor left on it", r.root, change["seconds"])
             return change
 
-    async def _closed(self, root: str, deadline: float) -> list[str]:
-        """Wait until the daemon holds no descriptor under `root` (or the deadline): what is left."""
+    async def _closed(self, root: str, deadline: float) -> tuple[list[str], int]:
+        """Wait until the daemon holds no descriptor under `root` and no thread is inside a call
+        into it (or the deadline): the descriptors and the calls left."""
         while True:
             left = await trio.to_thread.run_sync(held_under, root)
-            if not left or time.monotonic() >= deadline:
-                return left
+            calls = sum(n for r, n in self._calls_behind() if r == root)
+            if (not left and not calls) or time.monotonic() >= deadline:
+                self._behind = [(r, c) for r, c in self._behind if c()]  # the others are over for good
+                return left, calls
             await trio.sleep(CLOSED_POLL)
 
     def _known(self) -> list[tuple[str, str]]:
@@ -521,6 +561,16 @@ class Reloader:
             )
 
         return [(r.root, state(r)) for r in self.replicas]
+
+    def _calls_behind(self) -> list[tuple[str, int]]:
+        """(root, calls) of the removed mirrors' drives with calls inside them now. Read from any
+        thread (stats): the list is replaced, never changed in place."""
+        now = [(root, calls()) for root, calls in self._behind]
+        return [x for x in now if x[1]]
+
+    def left_behind(self) -> list[dict]:
+        """What stats.json shows: each removed mirror whose drive still has calls inside it."""
+        return [{"path": root, "calls": n} for root, n in self._calls_behind()]
 
     async def add_mirror(self, path: str, weight: float | None, wait: float, deep: bool = False) -> dict:
         """A mirror joins: one removed before (its drive back), or a new directory (in the slot of
@@ -641,13 +691,20 @@ class Reloader:
         the first slot of a mirror removed, or (None, True) a new one. UsageError when it may not."""
         if known is not None:  # judge_mirror refused the primary and live mirrors
             return self.replicas[known], False
-        removed = [x for x in self.replicas[1:] if self.health[x.index].removed_at is not None]
-        free = [x for x in removed if x.index not in self._unfinished]
+        free = self._free_slots()
         if free:
             return free[0], True
         if len(self.replicas) >= MAX_REPLICAS:
             raise UsageError(f"{path}: a mount serves at most {MAX_REPLICAS} replicas; remove a mirror first")
         return None, True
+
+    def _free_slots(self) -> list[Replica]:
+        """The removed mirrors' slots a new directory may take: those whose removal finished; else
+        those whose removal left only calls or descriptors in the old drive, no copy: the slot
+        gets a generation of its own in the engine, which never waits for them."""
+        removed = [x for x in self.replicas[1:] if self.health[x.index].removed_at is not None]
+        done = [x for x in removed if x.index not in self._unfinished]
+        return done or [x for x in removed if not any(x.index in f.copies for f in self.files.values())]
 
     def _measure(self, drive: int) -> float | None:
         """The new mirror's read rate over the primary's, each probed alone for a moment (what a

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-Identity = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+Identity = tuple[int, int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns
 
 
 def identity(st: os.stat_result) -> Identity:
-    """What must not change for a validated mirror copy to stay usable."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    """What must not change for a validated copy to stay usable. The ctime because user space
+    cannot set it: a copy rewritten in place with its mtime put back (`rsync --inplace -t`,
+    `cp -p`, `touch -r`) still shows a new ctime. A chmod or a new link moves it too: such a copy
+    is dropped, which costs bandwidth, never a byte."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ typedef struct job {
     int no_fds; /* the open failed for want of descriptors: the daemon's lack, not the mirror's */
     ident_t want;  /* the copy's identity, generation and use when the job was handed out */
     uint32_t gen;
+    drive_t *dg;   /* the drive's generation in force then: its directory, its calls, its queue */
     int usable;    /* 0: a reload took the copy out after the request was planned: not read */
     int waited;    /* counted in waiting.pending until done or given up on (under p->m) */
     char what[200];
@@ -46,6 +47,26 @@ struct pending {
     void *arg;
     job_t jobs[];
 };
+
+static void note(notes_t *nt, int kind, int drive, int timed_out, uint32_t gen, const char *what);
+
+/* A call into drive generation g's filesystem (NULL: the primary's, not counted) is counted while
+ * it runs: `colifs mirror remove` waits for them, as a thread stuck in one holds the drive busy. */
+static void call_begin(drive_t *g) {
+    if (g)
+        atomic_fetch_add(&g->in_calls, 1);
+}
+
+static void call_end(drive_t *g) {
+    if (g)
+        atomic_fetch_sub(&g->in_calls, 1);
+}
+
+static void close_on(drive_t *g, int fd) {
+    call_begin(g);
+    close(fd);
+    call_end(g);
+}
 
 static __thread char *thread_buf; /* REQ_BUF bytes, page-aligned, one per FUSE thread */
 static pthread_key_t buf_key;
@@ -107,20 +128,22 @@ static int same_identity(int fd, const ident_t *want, char *what, size_t n) {
         return 0;
     }
     int64_t mtime = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    int64_t ctime = (int64_t)st.st_ctim.tv_sec * 1000000000 + st.st_ctim.tv_nsec;
     if ((uint64_t)st.st_dev == want->dev && (uint64_t)st.st_ino == want->ino &&
-        (uint64_t)st.st_size == want->size && mtime == want->mtime_ns)
+        (uint64_t)st.st_size == want->size && mtime == want->mtime_ns && ctime == want->ctime_ns)
         return 1;
-    snprintf(what, n, "device %llu -> %llu, inode %llu -> %llu, size %llu -> %llu, mtime %lld -> %lld",
+    snprintf(what, n,
+             "device %llu -> %llu, inode %llu -> %llu, size %llu -> %llu, mtime %lld -> %lld, ctime %lld -> %lld",
              (unsigned long long)want->dev, (unsigned long long)st.st_dev,
              (unsigned long long)want->ino, (unsigned long long)st.st_ino,
              (unsigned long long)want->size, (unsigned long long)st.st_size,
-             (long long)want->mtime_ns, (long long)mtime);
+             (long long)want->mtime_ns, (long long)mtime, (long long)want->ctime_ns, (long long)ctime);
     return 0;
 }
 
-int open_backing(engine_t *e, int drive, const char *relpath, int *direct) {
+int open_backing(engine_t *e, int drive, const char *root, const char *relpath, int *direct) {
     char path[PATH_MAX];
-    if (snprintf(path, sizeof path, "%s/%s", e->roots[drive], relpath) >= (int)sizeof path) {
+    if (snprintf(path, sizeof path, "%s/%s", root, relpath) >= (int)sizeof path) {
         errno = ENAMETOOLONG;
         return -1;
     }
@@ -141,21 +164,32 @@ int open_backing(engine_t *e, int drive, const char *relpath, int *direct) {
 }
 
 int file_open(engine_t *e, file_t *f) {
+    notes_t nt = {.n = 0};
     pthread_mutex_lock(&f->lock);
-    int err = file_open_locked(e, f);
+    int err = file_open_locked(e, f, &nt);
     pthread_mutex_unlock(&f->lock);
+    send_notes(e, f, &nt);
     return err;
 }
 
 /* The primary's open holds the file's lock: it runs only when nothing holds the file (refs == 0: no
- * open, no job, no fill), so only other opens of the file wait, and they need this descriptor. */
-int file_open_locked(engine_t *e, file_t *f) {
+ * open, no job, no fill), so only other opens of the file wait, and they need this descriptor.
+ * It must find the file mounted (ident[0]): a file replaced since (an `hf download`, an rsync) has
+ * other headers and other bytes than the run table and the mirrors' copies, and serving it would
+ * mix them. It is refused (EIO) instead, until a remount; opens that hold the old file read on. */
+int file_open_locked(engine_t *e, file_t *f, notes_t *nt) {
     int err = 0;
     if (f->refs == 0) {
         int direct;
-        int fd = open_backing(e, 0, f->relpath, &direct);
+        char what[200];
+        int fd = open_backing(e, 0, e->roots[0], f->relpath, &direct);
         if (fd < 0) {
             err = errno;
+        } else if (f->ident[0].ino && !same_identity(fd, &f->ident[0], what, sizeof what)) { /* 0: not known */
+            close(fd);
+            err = EIO;
+            if (!atomic_exchange(&f->primary_changed, 1))
+                note(nt, EV_PRIMARY_CHANGED, 0, 0, 0, what);
         } else {
             atomic_store(&f->fd[0], fd);
             f->direct[0] = direct;
@@ -170,32 +204,65 @@ int file_open_locked(engine_t *e, file_t *f) {
  * (a FUSE or NFS mirror's flush) and every open of the file waits for the lock. Nobody holds
  * their numbers any more, and they stay taken until closed, so no open reuses one meanwhile. */
 typedef struct {
-    int fd[MAX_REPLICAS + RETIRED_FDS];
+    int fd[MAX_REPLICAS + RETIRED_SLOTS];
+    drive_t *on[MAX_REPLICAS + RETIRED_SLOTS]; /* the generation each was opened on (its calls) */
     int n;
 } closing_t;
 
-/* The retired descriptors of drive d (-1: of every drive) move to c; f->lock held. */
+static void closing_add(closing_t *c, int fd, drive_t *on) {
+    c->on[c->n] = on;
+    c->fd[c->n++] = fd;
+}
+
+/* Whether retired descriptor i is of the copy in force (f->lock held). */
+static int current_locked(const file_t *f, int i) {
+    return f->retired_gen[i] == atomic_load(&f->copy_gen[f->retired_on[i]]);
+}
+
+/* Whether retired descriptor i can be closed: no job of its copy generation runs (f->lock held). */
+static int unread_locked(const file_t *f, int i) {
+    return current_locked(f, i) ? f->jobs[f->retired_on[i]] == 0 : f->retired_readers[i] == 0;
+}
+
+/* The retired descriptors of drive d that no job can read any more (d < 0: every one, when the file
+ * is released and no job holds it) move to c; f->lock held. */
 static void take_retired_locked(file_t *f, closing_t *c, int d) {
     int kept = 0;
     for (int i = 0; i < f->nretired; i++) {
-        if (d < 0 || f->retired_on[i] == d) {
-            c->fd[c->n++] = f->retired[i];
+        if (d < 0 || (f->retired_on[i] == d && unread_locked(f, i))) {
+            closing_add(c, f->retired[i], f->retired_drive[i]);
         } else {
             f->retired[kept] = f->retired[i];
-            f->retired_on[kept++] = f->retired_on[i];
+            f->retired_on[kept] = f->retired_on[i];
+            f->retired_gen[kept] = f->retired_gen[i];
+            f->retired_readers[kept] = f->retired_readers[i];
+            f->retired_drive[kept++] = f->retired_drive[i];
         }
     }
     f->nretired = kept;
 }
 
+/* fd, drive d's descriptor of the copy in force, retired (f->lock held; room checked). */
 static void retire_locked(file_t *f, int d, int fd) {
-    f->retired_on[f->nretired] = (uint8_t)d;
-    f->retired[f->nretired++] = fd;
+    int i = f->nretired++;
+    f->retired_on[i] = (uint8_t)d;
+    f->retired[i] = fd;
+    f->retired_gen[i] = atomic_load(&f->copy_gen[d]);
+    f->retired_readers[i] = 0;
+    f->retired_drive[i] = f->fd_drive[d];
+}
+
+/* Retired descriptors of the copies in force (f->lock held): at most RETIRED_FDS of them. */
+static int retired_current_locked(const file_t *f) {
+    int n = 0;
+    for (int i = 0; i < f->nretired; i++)
+        n += current_locked(f, i);
+    return n;
 }
 
 static void close_taken(closing_t *c) {
     for (int i = 0; i < c->n; i++)
-        close(c->fd[i]);
+        close_on(c->on[i], c->fd[i]);
 }
 
 void file_release(engine_t *e, file_t *f) {
@@ -205,7 +272,7 @@ void file_release(engine_t *e, file_t *f) {
         for (int d = 0; d < e->nrep; d++) {
             int fd = atomic_exchange(&f->fd[d], FD_CLOSED);
             if (fd >= 0)
-                c.fd[c.n++] = fd;
+                closing_add(&c, fd, d ? f->fd_drive[d] : NULL);
         }
         take_retired_locked(f, &c, -1);
     }
@@ -213,14 +280,19 @@ void file_release(engine_t *e, file_t *f) {
     close_taken(&c);
 }
 
-/* A mirror job on f and drive d is over: the drive's descriptors retired meanwhile close once no
- * job on it can read them (every job that may hold one was counted before it was queued), then
- * its hold on f ends. */
-static void job_done(engine_t *e, file_t *f, int d) {
+/* A mirror job on f and drive d, of copy generation gen, is over: the descriptors of its copy
+ * retired meanwhile close once no job of that copy can read them (every job that may hold one was
+ * counted before it was queued), then its hold on f ends. */
+static void job_done(engine_t *e, file_t *f, int d, uint32_t gen) {
     closing_t c = {.n = 0};
     pthread_mutex_lock(&f->lock);
-    if (--f->jobs[d] == 0)
-        take_retired_locked(f, &c, d);
+    if (gen == atomic_load(&f->copy_gen[d])) {
+        f->jobs[d]--;
+    } else { /* an older copy's: file_set_copy left its count with that copy's descriptors */
+        for (int i = 0; i < f->nretired; i++)
+            f->retired_readers[i] -= f->retired_on[i] == d && f->retired_gen[i] == gen;
+    }
+    take_retired_locked(f, &c, d);
     pthread_mutex_unlock(&f->lock);
     close_taken(&c);
     file_release(e, f);
@@ -234,7 +306,7 @@ static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
     uint32_t now = atomic_load(&e->epoch[d]);
     if ((fd < 0 && fd != FD_FAILED) || atomic_load(&f->fd_epoch[d]) == now)
         return fd;
-    if (fd >= 0 && f->nretired == RETIRED_FDS) {
+    if (fd >= 0 && (retired_current_locked(f) == RETIRED_FDS || f->nretired == RETIRED_SLOTS)) {
         atomic_store(&f->fd_epoch[d], now); /* keep it: a flapping drive must not exhaust descriptors */
         return fd;
     }
@@ -245,7 +317,8 @@ static int renew_locked(engine_t *e, file_t *f, int d, int fd) {
 }
 
 /* What mirror_fd opened (or failed to), stored for the file's next jobs; unless a reload changed
- * the copy meanwhile (then it is closed, and the job's piece read from the primary: stale). */
+ * the copy meanwhile: then it is closed and nothing is stored (fd[d] is the new copy's now, maybe
+ * being opened by one of its jobs), and the job's piece is read from the primary (stale). */
 static int opened(job_t *j, int fd, int direct, uint32_t epoch, uint32_t gen) {
     file_t *f = j->f;
     int d = j->drive;
@@ -253,31 +326,27 @@ static int opened(job_t *j, int fd, int direct, uint32_t epoch, uint32_t gen) {
     int late = atomic_load(&f->copy_gen[d]) != gen;
     int closing = late ? fd : -1;
     if (late) {
-        fd = FD_CLOSED;
         j->changed = 1; /* judged stale: the generation moved */
-    } else if (fd >= 0) {
-        f->direct[d] = direct;
     } else {
-        fd = j->changed ? FD_CHANGED : j->no_fds ? FD_CLOSED : FD_FAILED; /* no fds: tried again later */
+        if (fd >= 0) {
+            f->direct[d] = direct;
+            f->fd_drive[d] = j->dg;
+        } else {
+            fd = j->changed ? FD_CHANGED : j->no_fds ? FD_CLOSED : FD_FAILED; /* no fds: tried again later */
+        }
+        atomic_store(&f->fd_epoch[d], epoch);
+        atomic_store(&f->fd[d], fd);
     }
-    atomic_store(&f->fd_epoch[d], epoch);
-    atomic_store(&f->fd[d], fd);
     pthread_cond_broadcast(&f->opened);
     pthread_mutex_unlock(&f->lock);
     if (closing >= 0)
-        close(closing);
+        close_on(j->dg, closing);
     return late ? -1 : fd;
 }
 
-int file_set_copy(file_t *f, int d, const ident_t *ident) {
+/* The copy's mask and identity as a reload says (f->lock held). */
+static void set_verdict_locked(file_t *f, int d, const ident_t *ident) {
     uint32_t bit = 1u << d;
-    int old = -1;
-    pthread_mutex_lock(&f->lock);
-    int fd = atomic_load(&f->fd[d]);
-    if (fd >= 0 && f->jobs[d] > 0 && f->nretired == RETIRED_FDS) {
-        pthread_mutex_unlock(&f->lock);
-        return EBUSY;
-    }
     if (ident) {
         f->ident[d] = *ident;
         atomic_fetch_or(&f->mask, bit);
@@ -286,33 +355,63 @@ int file_set_copy(file_t *f, int d, const ident_t *ident) {
     }
     atomic_fetch_add(&f->copy_gen[d], 1);
     atomic_fetch_and(&f->dropped, ~bit);
+}
+
+/* The copy in force on drive d becomes an older one (f->lock held, before copy_gen moves): its
+ * descriptor retires, or closes into c when none of its jobs runs; its jobs' count goes with its
+ * retired descriptors, which wait for those jobs only. */
+static void age_locked(file_t *f, int d, closing_t *c) {
+    uint32_t gen = atomic_load(&f->copy_gen[d]);
+    int fd = atomic_load(&f->fd[d]);
     if (fd >= 0 && f->jobs[d] > 0)
         retire_locked(f, d, fd); /* a job may still read it */
     else if (fd >= 0)
-        old = fd;
-    if (fd != FD_OPENING) /* an open under way sees the generation move (opened) */
-        atomic_store(&f->fd[d], FD_CLOSED);
+        closing_add(c, fd, f->fd_drive[d]);
+    for (int i = 0; i < f->nretired; i++)
+        if (f->retired_on[i] == d && f->retired_gen[i] == gen)
+            f->retired_readers[i] = f->jobs[d];
+    f->jobs[d] = 0;
+    /* Also over an open under way (FD_OPENING): its opener finds the generation moved, closes
+     * what it opened and stores nothing (opened), and the new copy's jobs never wait for it. */
+    atomic_store(&f->fd[d], FD_CLOSED);
+}
+
+int file_set_copy(file_t *f, int d, const ident_t *ident) {
+    closing_t c = {.n = 0};
+    pthread_mutex_lock(&f->lock);
+    int fd = atomic_load(&f->fd[d]);
+    if (fd >= 0 && f->jobs[d] > 0 && f->nretired == RETIRED_SLOTS) {
+        pthread_mutex_unlock(&f->lock);
+        return EBUSY;
+    }
+    age_locked(f, d, &c);
+    set_verdict_locked(f, d, ident);
+    take_retired_locked(f, &c, d);
+    pthread_cond_broadcast(&f->opened); /* jobs of the old copy waiting for its open: stale now */
     pthread_mutex_unlock(&f->lock);
-    if (old >= 0)
-        close(old);
+    close_taken(&c);
     return 0;
 }
 
 /* The mirror copy's descriptor, opened (and checked unchanged) on first use, and again once its
  * mirror came back up. The open runs without the file's lock: on a hung mirror it may never
- * return, and opens and releases of the file must not wait for it. Other drive threads wait for
- * it (their requests have their own timeouts). The job's reference on the file keeps it from
- * being released while the job opens a descriptor or reads one. */
+ * return, and opens and releases of the file must not wait for it. Other jobs of the same copy
+ * wait for it (their requests have their own timeouts); jobs of a newer copy never do (a reload,
+ * a mirror removed or put in its place: file_set_copy). The job's reference on the file keeps it
+ * from being released while the job opens a descriptor or reads one. */
 static int mirror_fd(engine_t *e, job_t *j) {
     file_t *f = j->f;
     int d = j->drive;
     uint32_t epoch = atomic_load(&e->epoch[d]);
     uint32_t opened_at = atomic_load(&f->fd_epoch[d]); /* before fd: a renewal stores fd first */
     int fd = atomic_load(&f->fd[d]);
-    if ((fd >= 0 || fd == FD_FAILED || fd == FD_CHANGED) && opened_at == epoch)
+    /* copy_gen after fd: unmoved since the hand-out, so fd is of the job's copy, not a newer one's
+     * (whose retirement waits for its own jobs only) */
+    if ((fd >= 0 || fd == FD_FAILED || fd == FD_CHANGED) && opened_at == epoch &&
+        atomic_load(&f->copy_gen[d]) == j->gen)
         return fd;
     pthread_mutex_lock(&f->lock);
-    while ((fd = atomic_load(&f->fd[d])) == FD_OPENING)
+    while ((fd = atomic_load(&f->fd[d])) == FD_OPENING && atomic_load(&f->copy_gen[d]) == j->gen)
         pthread_cond_wait(&f->opened, &f->lock);
     if (atomic_load(&f->copy_gen[d]) != j->gen) { /* a reload changed the copy since the hand-out: */
         pthread_mutex_unlock(&f->lock);          /* opening it now would keep a descriptor nobody */
@@ -331,7 +430,8 @@ static int mirror_fd(engine_t *e, job_t *j) {
     pthread_mutex_unlock(&f->lock);
 
     int direct;
-    fd = open_backing(e, d, f->relpath, &direct);
+    call_begin(j->dg);
+    fd = open_backing(e, d, j->dg->root, f->relpath, &direct);
     if (fd < 0) {
         j->no_fds = errno == EMFILE || errno == ENFILE;
         snprintf(j->what, sizeof j->what, "cannot open %s (%s)", f->relpath, strerror(errno));
@@ -341,6 +441,7 @@ static int mirror_fd(engine_t *e, job_t *j) {
         j->changed = 1;
         fd = -1;
     }
+    call_end(j->dg);
     return opened(j, fd, direct, epoch, gen);
 }
 
@@ -350,17 +451,20 @@ uint64_t mono_ns(void) {
     return (uint64_t)t.tv_sec * 1000000000ull + (uint64_t)t.tv_nsec;
 }
 
-/* A read starts or ends on drive d: the time with at least one read running is the drive's busy
- * time, what its measured rate (bytes per busy second, colifs.balance) divides by. Added up at every
- * start and end, so a drive that is never idle still shows its busy time as it goes. */
-static void drive_active(engine_t *e, int d, int delta) {
-    pthread_mutex_lock(&e->activity[d].m);
+/* A read starts or ends on drive generation g (NULL: the primary): the time with at least one read
+ * running is the drive's busy time, what its measured rate (bytes per busy second, colifs.balance)
+ * divides by. Added up at every start and end, so a drive that is never idle still shows its busy
+ * time as it goes. A generation's reads count for its slot only while it is in force: a read stuck
+ * in a removed drive does not make the mirror in its place look busy. */
+static void drive_active(engine_t *e, drive_t *g, int delta) {
+    activity_t *a = g ? &g->act : &e->primary_act;
+    pthread_mutex_lock(&a->m);
     uint64_t now = mono_ns();
-    if (e->activity[d].running > 0)
-        atomic_fetch_add(&e->ctr.drive_busy_ns[d], now - e->activity[d].since);
-    e->activity[d].since = now;
-    e->activity[d].running += delta;
-    pthread_mutex_unlock(&e->activity[d].m);
+    if (a->running > 0 && !(g && atomic_load(&g->retired)))
+        atomic_fetch_add(&e->ctr.drive_busy_ns[g ? g->slot : 0], now - a->since);
+    a->since = now;
+    a->running += delta;
+    pthread_mutex_unlock(&a->m);
 }
 
 /* Pieces a waiting reader needs from drive d: +n handed out, -1 each read (or given up). While
@@ -411,19 +515,21 @@ static void run_job(engine_t *e, job_t *j) {
         }
         return;
     }
-    drive_active(e, j->drive, 1);
+    drive_active(e, j->dg, 1);
+    call_begin(j->dg);
     j->got = pread_full(fd, j->dst, j->len, j->off, j->f->direct[j->drive]);
     int err = errno;
-    drive_active(e, j->drive, -1);
-    errno = err;
+    drive_active(e, j->dg, -1);
     if (j->got < 0) {
-        j->err = errno;
+        call_end(j->dg);
+        j->err = err;
         snprintf(j->what, sizeof j->what, "read error at %llu: %s", (unsigned long long)j->off,
                  strerror(j->err));
         return;
     }
     if (!same_identity(fd, &j->want, j->what, sizeof j->what))
         j->changed = 1;
+    call_end(j->dg);
 }
 
 static void pending_unref_locked(pending_t *p, int *last) { *last = --p->refs == 0; }
@@ -460,81 +566,135 @@ static int given_up(job_t *j) {
     return gone;
 }
 
+/* A job's bytes and itself leave the slot's backlog and in-flight gauge; unless its generation was
+ * retired meanwhile, which took its share out of them already (gen_retire). */
+static void settle(engine_t *e, drive_t *g, const job_t *j) {
+    pthread_mutex_lock(&g->m);
+    g->queued -= j->len;
+    g->busy--;
+    if (!atomic_load(&g->retired)) {
+        atomic_fetch_sub(&e->ctr.drive_busy[g->slot], 1);
+        atomic_fetch_sub(&e->queued[g->slot], j->len);
+    }
+    pthread_mutex_unlock(&g->m);
+}
+
+/* A job over (read, skipped or stale): its reading hears of it, then its hold on the file ends. */
+static void job_over(engine_t *e, job_t *j) {
+    file_t *f = j->f;
+    int d = j->drive;
+    uint32_t gen = j->gen;
+    finish_job(e, j); /* j may be freed from here */
+    job_done(e, f, d, gen);
+}
+
 static void *drive_main(void *arg) {
-    drive_t *dr = arg;
+    drive_t *g = arg;
     for (;;) {
-        pthread_mutex_lock(&dr->m);
-        while (!dr->head && !dr->stop)
-            pthread_cond_wait(&dr->c, &dr->m);
-        job_t *j = dr->head;
+        pthread_mutex_lock(&g->m);
+        while (!g->head && !g->stop)
+            pthread_cond_wait(&g->c, &g->m);
+        job_t *j = g->head;
         if (!j) {
-            pthread_mutex_unlock(&dr->m);
+            pthread_mutex_unlock(&g->m);
             return NULL;
         }
-        dr->head = j->next;
-        if (!dr->head)
-            dr->tail = NULL;
-        pthread_mutex_unlock(&dr->m);
+        g->head = j->next;
+        if (!g->head)
+            g->tail = NULL;
+        pthread_mutex_unlock(&g->m);
         if (given_up(j)) {
             j->got = -1;
             j->err = ECANCELED;
-            atomic_fetch_add(&dr->e->ctr.fallbacks[1], 1);
+            atomic_fetch_add(&g->e->ctr.fallbacks[1], 1);
         } else {
-            run_job(dr->e, j);
+            run_job(g->e, j);
         }
-        atomic_fetch_sub(&dr->e->ctr.drive_busy[j->drive], 1);
-        atomic_fetch_sub(&dr->e->queued[j->drive], j->len);
-        file_t *f = j->f;
-        int d = j->drive;
-        finish_job(dr->e, j); /* j may be freed from here */
-        job_done(dr->e, f, d);
+        settle(g->e, g, j);
+        job_over(g->e, j);
     }
 }
 
+/* A job into the queue of the generation it was handed out in. If that one was retired since, the
+ * job is not read: its copy was taken out before (a removal takes every copy out, then retires), so
+ * it is judged stale and its piece read from the primary. */
 static void submit(engine_t *e, job_t *j) {
-    drive_t *dr = &e->drives[j->drive];
-    atomic_fetch_add(&e->ctr.drive_busy[j->drive], 1);
-    atomic_fetch_add(&e->queued[j->drive], j->len);
+    drive_t *g = j->dg;
     j->next = NULL;
-    pthread_mutex_lock(&dr->m);
-    if (dr->tail)
-        dr->tail->next = j;
+    pthread_mutex_lock(&g->m);
+    if (g->stop) {
+        pthread_mutex_unlock(&g->m);
+        j->usable = 0;
+        j->changed = 1;
+        j->got = -1;
+        job_over(e, j);
+        return;
+    }
+    g->queued += j->len;
+    g->busy++;
+    atomic_fetch_add(&e->ctr.drive_busy[g->slot], 1);
+    atomic_fetch_add(&e->queued[g->slot], j->len);
+    if (g->tail)
+        g->tail->next = j;
     else
-        dr->head = j;
-    dr->tail = j;
-    pthread_cond_signal(&dr->c);
-    pthread_mutex_unlock(&dr->m);
+        g->head = j;
+    g->tail = j;
+    pthread_cond_signal(&g->c);
+    pthread_mutex_unlock(&g->m);
 }
 
-/* The threads of a drive that is not in use yet (add_drive failed): stopped and joined at once. */
-static void drive_undo(drive_t *dr) {
-    pthread_mutex_lock(&dr->m);
-    dr->stop = 1;
-    pthread_cond_broadcast(&dr->c);
-    pthread_mutex_unlock(&dr->m);
-    for (int t = 0; t < dr->nthreads; t++)
-        pthread_join(dr->threads[t], NULL);
-    free(dr->threads);
-    pthread_mutex_destroy(&dr->m);
-    pthread_cond_destroy(&dr->c);
-    *dr = (drive_t){0};
+/* -- a mirror slot's generations ---------------------------------------------------------------- */
+
+static void gen_stop(drive_t *g) {
+    pthread_mutex_lock(&g->m);
+    g->stop = 1;
+    pthread_cond_broadcast(&g->c);
+    pthread_mutex_unlock(&g->m);
+}
+
+static void gen_free(drive_t *g) {
+    free(g->threads);
+    pthread_mutex_destroy(&g->m);
+    pthread_cond_destroy(&g->c);
+    pthread_mutex_destroy(&g->act.m);
+    free(g);
+}
+
+/* A generation of slot d reading `root`, its threads started; NULL and an errno if they could not
+ * all start (those that did are stopped and joined: nothing was queued to them). */
+static drive_t *gen_start(engine_t *e, int d, const char *root, uint32_t number, int *err) {
+    drive_t *g = calloc(1, sizeof *g);
+    pthread_t *threads = calloc((size_t)e->drive_threads, sizeof(pthread_t));
+    *err = ENOMEM;
+    if (!g || !threads) {
+        free(g);
+        free(threads);
+        return NULL;
+    }
+    *g = (drive_t){.e = e, .slot = d, .number = number, .root = root, .threads = threads};
+    pthread_mutex_init(&g->m, NULL);
+    pthread_cond_init(&g->c, NULL);
+    pthread_mutex_init(&g->act.m, NULL);
+    *err = 0;
+    for (int t = 0; t < e->drive_threads && !*err; t++) {
+        *err = pthread_create(&g->threads[t], NULL, drive_main, g);
+        g->nthreads += !*err;
+    }
+    if (!*err)
+        return g;
+    gen_stop(g);
+    for (int t = 0; t < g->nthreads; t++)
+        pthread_join(g->threads[t], NULL);
+    gen_free(g);
+    return NULL;
 }
 
 int drive_start(engine_t *e, int d) {
-    drive_t *dr = &e->drives[d];
-    dr->e = e;
-    pthread_mutex_init(&dr->m, NULL);
-    pthread_cond_init(&dr->c, NULL);
-    dr->threads = calloc((size_t)e->drive_threads, sizeof(pthread_t));
-    if (!dr->threads)
-        return ENOMEM;
-    for (int t = 0; t < e->drive_threads; t++) {
-        int err = pthread_create(&dr->threads[t], NULL, drive_main, dr);
-        if (err)
-            return err;
-        dr->nthreads++;
-    }
-    return 0;
+    int err;
+    drive_t *g = gen_start(e, d, e->roots[d], 1, &err);
+    if (g)
+        atomic_store(&e->drives[d], g);
+    return err;
 }
 
 int drives_start(engine_t *e) {
@@ -546,29 +706,77 @@ int drives_start(engine_t *e) {
     return 0;
 }
 
-/* Stop the drive threads once their queues are empty. A thread stuck in a read on a hung drive is
- * detached instead of waited for: it must not hang the unmount (what it reads into stays allocated:
- * a request buffer or a fill's memory). */
+/* No newer job comes to g: its threads end once they have run what it holds, and its share of the
+ * slot's backlog, in-flight gauge and busy time is the slot's no longer. */
+static void gen_retire(engine_t *e, drive_t *g) {
+    pthread_mutex_lock(&g->m);
+    g->stop = 1;
+    atomic_fetch_sub(&e->queued[g->slot], g->queued);
+    atomic_fetch_sub(&e->ctr.drive_busy[g->slot], (uint64_t)g->busy);
+    atomic_store(&g->retired, 1);
+    pthread_cond_broadcast(&g->c);
+    pthread_mutex_unlock(&g->m);
+}
+
+/* The threads of retired generations that have ended are joined (a stuck one is left). */
+static void gen_reap(drive_t *g) {
+    for (; g; g = g->older) {
+        while (g->joined < g->nthreads && pthread_tryjoin_np(g->threads[g->joined], NULL) == 0)
+            g->joined++;
+    }
+}
+
+int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired) {
+    drive_t *old = atomic_load(&e->drives[d]);
+    int err;
+    drive_t *g = gen_start(e, d, root ? root : old->root, old->number + 1, &err);
+    if (!g)
+        return err;
+    g->older = old;
+    atomic_store(&e->drives[d], g); /* jobs handed out from now on are the new generation's */
+    gen_retire(e, old);
+    gen_reap(old);
+    *retired = old->number;
+    return 0;
+}
+
+int drive_calls(engine_t *e, int d, uint32_t number) {
+    for (drive_t *g = atomic_load(&e->drives[d]); g; g = g->older)
+        if (g->number == number)
+            return atomic_load(&g->in_calls);
+    return 0;
+}
+
+/* Stop every generation's threads once their queues are empty. A thread stuck in a read on a hung
+ * drive is detached instead of waited for: it must not hang the unmount (what it reads into stays
+ * allocated: a request buffer or a fill's memory, and so does the engine). */
 void drives_stop(engine_t *e) {
     struct timespec deadline;
     clock_gettime(CLOCK_REALTIME, &deadline);
     deadline.tv_sec += 5;
-    for (int d = 1; d < e->nrep; d++) {
-        drive_t *dr = &e->drives[d];
-        if (!dr->threads)
-            continue;
-        pthread_mutex_lock(&dr->m);
-        dr->stop = 1;
-        pthread_cond_broadcast(&dr->c);
-        pthread_mutex_unlock(&dr->m);
-        for (int t = 0; t < dr->nthreads; t++) {
-            if (pthread_timedjoin_np(dr->threads[t], NULL, &deadline) != 0) {
-                pthread_detach(dr->threads[t]);
-                e->threads_left = 1;
+    for (int d = 1; d < MAX_REPLICAS; d++)
+        for (drive_t *g = atomic_load(&e->drives[d]); g; g = g->older)
+            gen_stop(g);
+    for (int d = 1; d < MAX_REPLICAS; d++) {
+        for (drive_t *g = atomic_load(&e->drives[d]); g; g = g->older) {
+            for (; g->joined < g->nthreads; g->joined++) {
+                if (pthread_timedjoin_np(g->threads[g->joined], NULL, &deadline) != 0) {
+                    pthread_detach(g->threads[g->joined]);
+                    e->threads_left = 1;
+                }
             }
         }
-        free(dr->threads);
-        dr->threads = NULL;
+    }
+}
+
+void drives_free(engine_t *e) {
+    for (int d = 1; d < MAX_REPLICAS; d++) {
+        drive_t *g = atomic_exchange(&e->drives[d], NULL);
+        while (g) {
+            drive_t *older = g->older;
+            gen_free(g);
+            g = older;
+        }
     }
 }
 
@@ -852,11 +1060,9 @@ int add_drive(engine_t *e, const uint8_t *routes, size_t len) {
     int d = atomic_load(&e->nrep);
     if (!routes_ok(routes, len, d + 1)) /* before a thread starts */
         return -1;
-    int err = drive_start(e, d);
-    if (err) {
-        drive_undo(&e->drives[d]);
+    int err = drive_start(e, d); /* nothing started if it fails */
+    if (err)
         return err;
-    }
     atomic_fetch_or(&e->up, 1u << d);
     write_routes(e, routes, d + 1);
     return 0;
@@ -958,10 +1164,10 @@ static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *h
     atomic_fetch_add(&e->ctr.drive_busy[0], 1);
     if (!queued)
         atomic_fetch_add(&e->queued[0], len);
-    drive_active(e, 0, 1);
+    drive_active(e, NULL, 1);
     pc[i].got = pread_full(atomic_load(&f->fd[0]), pc[i].dst, len, pc[i].start, f->direct[0]);
     pc[i].err = pc[i].got < 0 ? errno : 0;
-    drive_active(e, 0, -1);
+    drive_active(e, NULL, -1);
     atomic_fetch_sub(&e->queued[0], len);
     atomic_fetch_sub(&e->ctr.drive_busy[0], 1);
     pc[i].status = pc[i].err ? RES_FAILED : RES_OK;
@@ -1029,7 +1235,8 @@ static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p
         p->jobs[j++] = (job_t){.p = p, .f = f, .drive = d, .run = (int)i, .dst = pc[i].dst,
                                .off = pc[i].start, .len = pc[i].end - pc[i].start,
                                .want = f->ident[d], .gen = gen, .waited = waited,
-                               .usable = (atomic_load(&f->mask) >> d) & 1u};
+                               .usable = (atomic_load(&f->mask) >> d) & 1u,
+                               .dg = atomic_load(&e->drives[d])};
     }
     pthread_mutex_unlock(&f->lock);
     for (size_t k = 0; k < nm; k++)
@@ -1193,7 +1400,7 @@ int read_piece_here(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, n
     f->jobs[d]++;
     job_t j = {.f = f, .drive = d, .dst = pc->dst, .off = pc->start, .len = pc->end - pc->start,
                .want = f->ident[d], .gen = atomic_load(&f->copy_gen[d]),
-               .usable = (atomic_load(&f->mask) >> d) & 1u};
+               .usable = (atomic_load(&f->mask) >> d) & 1u, .dg = atomic_load(&e->drives[d])};
     pthread_mutex_unlock(&f->lock);
     pc->gen = j.gen;
     atomic_fetch_add(&e->ctr.drive_busy[d], 1);
@@ -1202,7 +1409,7 @@ int read_piece_here(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, n
     atomic_fetch_sub(&e->queued[d], j.len);
     j.done = 1;
     judge(e, &j, pc, nt);
-    job_done(e, f, d);
+    job_done(e, f, d, j.gen);
     if (pc->status == RES_OK)
         landed(e, how, pc, 0);
     int err = fall_back(e, f, pc, 1, how);

@@ -44,6 +44,7 @@ static inline uint64_t align_up_u64(uint64_t n) { return (n + BLOCK - 1) & ~(uin
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
                           (unless its mirror comes back up: engine.epoch) */
 #define RETIRED_FDS 8 /* replaced descriptors a file holds while jobs run: past that it keeps the old */
+#define RETIRED_SLOTS (2 * RETIRED_FDS) /* room for those and as many of older copy generations */
 #define FD_OPENING (-3) /* a drive thread is opening it (without the lock: the open may hang) */
 #define FD_CHANGED (-4) /* the copy opened is not the one validated: dropped for the file (until a
                            reload validates it again) */
@@ -58,11 +59,14 @@ enum event_kind {
     EV_NO_DIRECT,         /* a drive's filesystem refused O_DIRECT: read buffered */
     EV_NO_FDS,            /* a mirror copy could not be opened for want of descriptors */
     EV_NO_PASSTHROUGH,    /* the kernel refused passthrough: page-cache opens are served */
+    EV_PRIMARY_CHANGED,   /* the primary's file is not the one mounted: its opens fail (EIO) */
 };
 
+/* What a copy must still be (fstat): the ctime too, as user space cannot set it back (a copy
+ * rewritten in place with its mtime restored still shows a new one). colifs.replicas.identity. */
 typedef struct {
     uint64_t dev, ino, size;
-    int64_t mtime_ns;
+    int64_t mtime_ns, ctime_ns;
 } ident_t;
 
 typedef struct {
@@ -94,10 +98,13 @@ typedef struct {
     _Atomic uint32_t mask;     /* replicas holding a valid copy (bit d: drive d; bit 0 always) */
     _Atomic uint32_t dropped;  /* mirrors changed since mount or reload: not used until a reload */
     /* What each copy must still be (fstat), and its generation: +1 each time a reload changes the
-     * copy (file_set_copy). Lock rules: both change under lock; readers copy ident under lock (a
-     * mirror job takes its copy when it is handed out) and load copy_gen without it. */
+     * copy (file_set_copy). ident[0] is the primary's file at mount: its headers and run table are
+     * that file's, so a reopen that finds another is refused (file_open_locked). Lock rules: both
+     * change under lock; readers copy ident under lock (a mirror job takes its copy when it is
+     * handed out) and load copy_gen without it. */
     ident_t ident[MAX_REPLICAS];
     _Atomic uint32_t copy_gen[MAX_REPLICAS];
+    _Atomic int primary_changed; /* the primary was found not the one mounted (said once) */
     /* Run table (colifs.readplan.run_table), independent of the weights: segment i is
      * [start[i], start[i+1]) (the last ends at size), key[i] (-1: header or plain bytes, from the
      * primary), pos[i] its fixed-point routing position, rot[i] its stripe rotation (NOT_STRIPED:
@@ -109,17 +116,25 @@ typedef struct {
     int8_t *seg_rot;
     /* Descriptors, shared by all opens of the file and held by every mirror job on it (refs: a
      * descriptor is closed only once no job can still read it, so its number is never reused
-     * under a late job). Lock rules: lock guards refs, jobs, retired and the changes of fd and
-     * fd_epoch; readers load fd and fd_epoch without it (a job's ref keeps them valid). */
+     * under a late job). Lock rules: lock guards refs, jobs, retired* and the changes of fd,
+     * fd_epoch and fd_drive; readers load fd and fd_epoch without it (a job's ref keeps them
+     * valid). A job reads only descriptors of its own copy generation (copy_gen, checked after it
+     * loads fd[d]), so each generation's jobs are counted apart: a retired descriptor of the copy
+     * in force waits for jobs[d], one of an older copy for that copy's jobs only (retired_readers),
+     * and a job stuck in a hung old copy holds up nothing of a newer one. */
     pthread_mutex_t lock;
-    pthread_cond_t opened; /* a mirror open finished */
+    pthread_cond_t opened; /* a mirror open finished, or a reload changed a copy */
     int refs;
     _Atomic int fd[MAX_REPLICAS];
     _Atomic int direct[MAX_REPLICAS];
     _Atomic uint32_t fd_epoch[MAX_REPLICAS]; /* engine.epoch[d] when fd[d] was opened (or failed) */
-    int jobs[MAX_REPLICAS];                /* mirror jobs queued or running on the file, per drive */
-    int retired[RETIRED_FDS];              /* replaced descriptors: closed once no job runs on */
-    uint8_t retired_on[RETIRED_FDS];       /* their drive (so another mirror's jobs keep none open) */
+    struct drive *fd_drive[MAX_REPLICAS];  /* the drive generation fd[d] was opened on (its calls) */
+    int jobs[MAX_REPLICAS];     /* mirror jobs queued or running on the copy in force, per drive */
+    int retired[RETIRED_SLOTS]; /* replaced descriptors: closed once no job of their copy runs */
+    uint8_t retired_on[RETIRED_SLOTS];   /* their drive (so another mirror's jobs keep none open) */
+    uint32_t retired_gen[RETIRED_SLOTS]; /* their copy generation (copy_gen) */
+    int retired_readers[RETIRED_SLOTS];  /* of an older copy than the one in force: its jobs left */
+    struct drive *retired_drive[RETIRED_SLOTS]; /* the drive generation each was opened on */
     int nretired;
     /* The kernel's opens of the file, by mode (passthrough.c: all in one mode at a time). */
     int served_opens, pt_opens;
@@ -196,14 +211,39 @@ typedef struct {
 
 struct engine;
 
+/* Busy time: while `running` > 0 (reads running), since `since`; under m. */
 typedef struct {
+    pthread_mutex_t m;
+    int running;
+    uint64_t since;
+} activity_t;
+
+/* One generation of a mirror's slot (drives.c): the directory it reads, its threads and their
+ * queue, and the calls into that directory's filesystem under way. A slot gets a new generation
+ * when its mirror is removed and when another directory takes its place (drive_renew): the old
+ * one's threads finish what they hold (a call stuck in a hung drive too) and end; the new one
+ * has threads, queue, counts and busy time of its own, so nothing of it waits for the old one
+ * (old jobs left in the old queue are judged stale: their copies were taken out first).
+ * Lock rules: m guards head, tail, stop, queued and busy; in_calls and retired are atomics;
+ * e, slot, number, root and older never change; a generation is freed with the engine only (a
+ * stuck thread, or a descriptor opened on it, may still name it). */
+typedef struct drive {
     struct engine *e;
+    int slot;
+    uint32_t number;           /* the slot's generations count from 1 */
+    const char *root;          /* one of the engine's root strings (kept until it is freed) */
     pthread_mutex_t m;
     pthread_cond_t c;
     struct job *head, *tail;
-    int stop;
+    int stop;                  /* retired: its threads end once its queue is empty */
+    uint64_t queued;           /* its jobs' share of e->queued[slot] and ctr.drive_busy[slot]: */
+    int busy;                  /* taken out of those when it is retired (they are the slot's) */
+    _Atomic int in_calls;      /* threads inside an open, pread, fstat or close on it now */
+    _Atomic int retired;       /* set once a newer generation serves the slot */
+    activity_t act;            /* its reads' busy time, the slot's only while it is in force */
     pthread_t *threads;
-    int nthreads;
+    int nthreads, joined;      /* threads started; of those, joined (retired generations) */
+    struct drive *older;       /* the slot's generation before this one */
 } drive_t;
 
 typedef struct {
@@ -280,18 +320,15 @@ typedef struct engine {
     counters_t ctr;
     route_t routes[1 << (MAX_REPLICAS - 1)]; /* ncols */
     _Atomic uint64_t routes_gen;              /* the routes' sequence lock */
-    struct {
-        pthread_mutex_t m;
-        int running;
-        uint64_t since;
-    } activity[MAX_REPLICAS]; /* reads running per drive, for drive_busy_ns */
+    activity_t primary_act;   /* the primary's reads, for drive_busy_ns[0] (a mirror's: drive_t.act) */
     struct {
         pthread_mutex_t m;
         int pending[MAX_REPLICAS];
         uint64_t since;
     } waiting; /* pieces of waited-for readings not read yet, per drive, for drive_alone_ns */
 
-    drive_t drives[MAX_REPLICAS];
+    drive_t *_Atomic drives[MAX_REPLICAS]; /* each mirror slot's generation in force (NULL: none,
+                                              the primary's); older ones hang off it (older) */
     int threads_left;          /* drive threads detached stuck in a read: the tables must outlive them */
     struct fuse_session *se;
     char *mountpoint;
@@ -353,8 +390,13 @@ node_t *engine_node(engine_t *e, uint64_t ino);
 
 /* drives.c */
 int drives_start(engine_t *e);
-int drive_start(engine_t *e, int d);
+int drive_start(engine_t *e, int d); /* slot d's first generation, reading e->roots[d] */
+/* Slot d (a mirror's) gets a new generation reading `root` (NULL: the same directory), its threads
+ * started; the one in force is retired (*retired: its number). 0 or an errno (nothing changed). */
+int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired);
+int drive_calls(engine_t *e, int d, uint32_t number); /* threads in a call on that generation now */
 void drives_stop(engine_t *e);
+void drives_free(engine_t *e); /* with the engine, once no thread of ours runs */
 void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int cached);
 size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
@@ -385,16 +427,19 @@ void fill_free_arena(engine_t *e); /* after the loop */
  * (read it from the primary). */
 int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
 int file_open(engine_t *e, file_t *f);
-int file_open_locked(engine_t *e, file_t *f); /* f->lock held */
+/* f->lock held. A first open (refs 0) opens the primary, refused (EIO) if it is not the file
+ * mounted; that is noted in nt once per file, for send_notes once the lock is dropped. */
+int file_open_locked(engine_t *e, file_t *f, notes_t *nt);
 void file_release(engine_t *e, file_t *f);
-int open_backing(engine_t *e, int drive, const char *relpath, int *direct);
+int open_backing(engine_t *e, int drive, const char *root, const char *relpath, int *direct);
 int set_routes(engine_t *e, const uint8_t *data, size_t len); /* 0, or -1 when they are invalid */
 /* One more mirror, drive e->nrep (its root set, its threads started): the routes for the new
  * count in force, then the count; 0, -1 when the routes are invalid, or an errno. */
 int add_drive(engine_t *e, const uint8_t *routes, size_t len);
 /* A reload's verdict on f's copy on drive d (d > 0): valid as `ident` (NULL: not usable). The
- * descriptor held for the old copy retires (closed once no job reads it). 0, or EBUSY when f holds
- * too many retired descriptors already (try again once its jobs are done). */
+ * descriptor held for the old copy retires (closed once none of the old copy's jobs reads it; the
+ * new copy's never wait for it, nor for its open under way). 0, or EBUSY when f holds too many
+ * retired descriptors already (try again once its jobs are done). */
 int file_set_copy(file_t *f, int d, const ident_t *ident);
 uint32_t segment_at(const file_t *f, uint64_t off); /* the run-table segment holding off */
 

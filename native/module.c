@@ -204,6 +204,16 @@ static int load_children(engine_t *e, PyObject *children) {
     return 0;
 }
 
+/* (st_dev, st_ino, st_size, st_mtime_ns, st_ctime_ns): colifs.replicas.Identity. 0 on a Python error. */
+static int parse_ident(PyObject *id, ident_t *out) {
+    unsigned long long dev, ino, sz;
+    long long mt, ct;
+    if (!PyArg_ParseTuple(id, "KKKLL", &dev, &ino, &sz, &mt, &ct))
+        return 0;
+    *out = (ident_t){dev, ino, sz, mt, ct};
+    return 1;
+}
+
 /* Each replica's identity of the file's copy at mount (what a reopened copy must still be). */
 static int load_identities(engine_t *e, file_t *f, PyObject *idents) {
     if (PySequence_Size(idents) != e->nrep) {
@@ -214,13 +224,12 @@ static int load_identities(engine_t *e, file_t *f, PyObject *idents) {
         PyObject *id = PySequence_GetItem(idents, d);
         if (!id)
             return -1;
-        unsigned long long dev, ino, sz;
-        long long mt;
-        int ok = PyArg_ParseTuple(id, "KKKL", &dev, &ino, &sz, &mt);
+        ident_t got;
+        int ok = parse_ident(id, &got);
         Py_DECREF(id);
         if (!ok)
             return -1;
-        f->ident[d] = (ident_t){dev, ino, sz, mt};
+        f->ident[d] = got;
     }
     return 0;
 }
@@ -429,8 +438,7 @@ static int load_replicas(engine_t *e, PyObject *roots, const uint8_t *routes, si
     }
     e->nrep = (int)nrep;
     e->ncols = 1 << (e->nrep - 1);
-    for (int d = 0; d < MAX_REPLICAS; d++) /* a mirror may be added while serving */
-        pthread_mutex_init(&e->activity[d].m, NULL);
+    pthread_mutex_init(&e->primary_act.m, NULL); /* a mirror's: its drive generation's (drives.c) */
     pthread_mutex_init(&e->waiting.m, NULL);
     if (!routes || set_routes(e, routes, route_len)) {
         PyErr_SetString(PyExc_ValueError, "routes: one valid column per set of mirrors expected");
@@ -653,13 +661,8 @@ static PyObject *Engine_set_copy(EngineObject *self, PyObject *args) {
         return NULL;
     }
     ident_t ident;
-    if (id != Py_None) {
-        unsigned long long dev, ino, sz;
-        long long mt;
-        if (!PyArg_ParseTuple(id, "KKKL", &dev, &ino, &sz, &mt))
-            return NULL;
-        ident = (ident_t){dev, ino, sz, mt};
-    }
+    if (id != Py_None && !parse_ident(id, &ident))
+        return NULL;
     int err;
     /* It waits for the file's lock, which a primary open holds while it may call into Python. */
     Py_BEGIN_ALLOW_THREADS
@@ -707,26 +710,64 @@ static PyObject *Engine_add_drive(EngineObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_root(drive, root): a removed mirror's slot serves another directory (colifs mirror add).
- * Python calls it only while no file has a copy on the drive. */
-static PyObject *Engine_set_root(EngineObject *self, PyObject *args) {
+/* A new root string for a slot, with room to keep the old one (a generation reading it may still
+ * build a path from it, until the engine is freed); NULL on a Python error. */
+static char *new_root(EngineObject *self, PyObject *root) {
+    char **grown = realloc(self->old_roots, (self->nold_roots + 1) * sizeof *grown);
+    if (!grown) {
+        PyErr_NoMemory();
+        return NULL;
+    }
+    self->old_roots = grown;
+    return dup_bytes(root);
+}
+
+/* renew_drive(drive, root or None): the mirror slot gets a new generation, with threads, queue and
+ * counts of its own, reading `root` (None: the same directory); the one in force is retired (its
+ * calls under way finish against it) and its number returned, for calls(). Python calls it once
+ * every copy on the drive is out (colifs mirror remove), and when another directory takes a
+ * removed mirror's place (colifs mirror add). */
+static PyObject *Engine_renew_drive(EngineObject *self, PyObject *args) {
     int drive;
     PyObject *root;
     if (!PyArg_ParseTuple(args, "iO", &drive, &root))
+        return NULL;
+    if (drive < 1 || drive >= self->e.nrep || !self->mounted || !atomic_load(&self->e.drives[drive])) {
+        PyErr_SetString(PyExc_ValueError, "no such mirror serving");
+        return NULL;
+    }
+    char *s = root == Py_None ? NULL : new_root(self, root);
+    if (root != Py_None && !s)
+        return NULL;
+    /* The drives' threads take no signals: those are the main thread's (Python handles them). */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    uint32_t retired = 0;
+    int err = drive_renew(&self->e, drive, s, &retired);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err) {
+        free(s);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    if (s)
+        self->old_roots[self->nold_roots++] = atomic_exchange(&self->e.roots[drive], s);
+    return PyLong_FromUnsignedLong(retired);
+}
+
+/* calls(drive, generation): threads inside an open, read, fstat or close on that generation of the
+ * mirror slot now (0 once all returned, or for a generation it never had). */
+static PyObject *Engine_calls(EngineObject *self, PyObject *args) {
+    int drive;
+    unsigned int number;
+    if (!PyArg_ParseTuple(args, "iI", &drive, &number))
         return NULL;
     if (drive < 1 || drive >= self->e.nrep) {
         PyErr_SetString(PyExc_ValueError, "no such mirror");
         return NULL;
     }
-    char **grown = realloc(self->old_roots, (self->nold_roots + 1) * sizeof *grown);
-    if (!grown)
-        return PyErr_NoMemory();
-    self->old_roots = grown;
-    char *s = dup_bytes(root);
-    if (!s)
-        return NULL;
-    self->old_roots[self->nold_roots++] = atomic_exchange(&self->e.roots[drive], s);
-    Py_RETURN_NONE;
+    return PyLong_FromLong(drive_calls(&self->e, drive, number));
 }
 
 static PyObject *Engine_set_routes(EngineObject *self, PyObject *args) {
@@ -860,6 +901,7 @@ static void Engine_dealloc(EngineObject *self) {
     free(e->nodes);
     free(e->children);
     free(e->key_expert);
+    drives_free(e);
     fill_free_arena(e);
     if (self->have_counters)
         PyBuffer_Release(&self->counters);
@@ -885,8 +927,11 @@ static PyMethodDef Engine_methods[] = {
      "ask again)."},
     {"add_drive", (PyCFunction)Engine_add_drive, METH_VARARGS,
      "add_drive(root, routes): one more mirror while serving (no copy on it yet); routes for the new count."},
-    {"set_root", (PyCFunction)Engine_set_root, METH_VARARGS,
-     "set_root(drive, root): a removed mirror's slot serves another directory (no copy in use)."},
+    {"renew_drive", (PyCFunction)Engine_renew_drive, METH_VARARGS,
+     "renew_drive(drive, root or None): the mirror slot's generation in force retired (its calls "
+     "finish against it), a new one reading root; the retired one's number."},
+    {"calls", (PyCFunction)Engine_calls, METH_VARARGS,
+     "calls(drive, generation): threads inside a call on that generation of the mirror slot now."},
     {"set_routes", (PyCFunction)Engine_set_routes, METH_VARARGS,
      "set_routes(routes): the weights in force (colifs.readplan.route_columns), for the next requests."},
     {"set_passthrough_allowed", (PyCFunction)Engine_set_passthrough_allowed, METH_VARARGS,
@@ -938,7 +983,8 @@ static int add_constants(PyObject *m) {
                    PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
                    PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
                    PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0
+                   PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0 ||
+                   PyModule_AddIntConstant(m, "EV_PRIMARY_CHANGED", EV_PRIMARY_CHANGED) < 0
                ? -1
                : 0;
 }

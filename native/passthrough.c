@@ -167,9 +167,10 @@ static int mode_for(engine_t *e, file_t *f, int cached, char *why, size_t n) {
 
 int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
     char why[512] = "";
+    notes_t nt = {.n = 0};
     *backing_id = 0;
     pthread_mutex_lock(&f->lock);
-    int err = file_open_locked(e, f);
+    int err = file_open_locked(e, f, &nt); /* a primary not the one mounted is never a backing file */
     if (!err && mode_for(e, f, cached, why, sizeof why) == PASSED) {
         f->pt_opens++;
         *backing_id = f->backing_id;
@@ -185,6 +186,7 @@ int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id) {
         atomic_fetch_add(&e->ctr.passthrough[3], 1);
     if (why[0])
         e->event(e->py, EV_NO_PASSTHROUGH, 0, -1, why, 0, 0, 0);
+    send_notes(e, f, &nt);
     return err;
 }
 

@@ -53,17 +53,22 @@ CHECK_POLL = 0.25  # s between looks at the down mirrors while a check runs
 
 @dataclass(slots=True)
 class OpenFile:
-    """Descriptors of one served file, shared by all its FUSE opens (refcounted)."""
+    """Descriptors of one served file, shared by all its FUSE opens (refcounted). Each descriptor
+    belongs to the drive workers it was opened on (a drive gets new ones when its mirror is removed
+    or replaced: Reader.renew), and so do the reads that use it: a descriptor retired waits for
+    the reads of its own workers only, never for a read stuck in an older drive's."""
 
     file: ServedFile
     fds: list[int | None]  # per replica; None = not used for this file
     usable: set[int]  # the replicas it may be read from (opened, unchanged): the primary always
     detached: set[int]  # mirrors not opened yet because they were down
     epochs: list[int]  # per replica: the Reader's epoch when its descriptor was opened
-    retired: list[tuple[int, int]] = field(default_factory=list)  # (drive, fd) replaced: closed once unread
+    pools: list[DriveWorkers | None]  # per replica: the workers its descriptor was opened on
+    # (workers, fd) replaced: closed once no read runs on those workers
+    retired: list[tuple[DriveWorkers, int]] = field(default_factory=list)
     refs: int = 1
-    # Per mirror: reads running (or given up on and not returned); they may use its retired fds.
-    mirror_reads: dict[int, int] = field(default_factory=dict)
+    # Per drive workers: reads running (or given up on and not returned) on their descriptors.
+    mirror_reads: dict[DriveWorkers, int] = field(default_factory=dict)
 
     def hold(self) -> None:
         self.refs += 1
@@ -79,10 +84,17 @@ class OpenFile:
         self.detached.difference_update(ready)
         return ready
 
-    def attach(self, drive: int, fd: int, epoch: int) -> None:
+    def attach(self, drive: int, fd: int, epoch: int, pool: DriveWorkers) -> None:
         self.fds[drive] = fd
         self.epochs[drive] = epoch
+        self.pools[drive] = pool
         self.usable.add(drive)
+
+    def _retire(self, drive: int) -> None:
+        fd, pool = self.fds[drive], self.pools[drive]
+        if fd is not None and pool is not None:
+            self.retired.append((pool, fd))
+        self.fds[drive] = None
 
     def renew(self, epochs: Sequence[int]) -> None:
         """Mirror descriptors opened before their mirror last came back up may be dead (its
@@ -92,18 +104,14 @@ class OpenFile:
         for d in sorted(self.usable - {0}):
             fd = self.fds[d]
             if self.epochs[d] != epochs[d] and fd is not None and len(self.retired) < RETIRED_FDS:
-                self.retired.append((d, fd))
-                self.fds[d] = None
+                self._retire(d)
                 self.usable.discard(d)
                 self.detached.add(d)
 
     def swap(self, drive: int, again: bool) -> None:
         """A reload changed the mirror's copy: its descriptor retires (closed once no read runs on
         that mirror), and the copy is opened `again` at the next read, or not used."""
-        fd = self.fds[drive]
-        if fd is not None:
-            self.retired.append((drive, fd))
-            self.fds[drive] = None
+        self._retire(drive)
         self.usable.discard(drive)
         if again:
             self.detached.add(drive)
@@ -115,21 +123,27 @@ class OpenFile:
         or the addition gives it a copy there (then `swap` queues it to be opened)."""
         self.fds.append(None)
         self.epochs.append(0)
+        self.pools.append(None)
 
-    def mirror_read_starts(self, drive: int) -> None:
+    def mirror_read_starts(self, drive: int) -> DriveWorkers:
+        """A read of the mirror's descriptor: the workers it belongs to (mirror_read_ends)."""
+        pool = self.pools[drive]
+        assert pool is not None  # a mirror read runs only on a descriptor it opened
         self.hold()
-        self.mirror_reads[drive] = self.mirror_reads.get(drive, 0) + 1
+        self.mirror_reads[pool] = self.mirror_reads.get(pool, 0) + 1
+        return pool
 
-    def mirror_read_ends(self, drive: int) -> list[tuple[int, int]]:
+    def mirror_read_ends(self, pool: DriveWorkers) -> list[tuple[DriveWorkers, int]]:
         """One mirror read fewer (release the hold apart): the retired descriptors to close now."""
-        self.mirror_reads[drive] -= 1
+        self.mirror_reads[pool] -= 1
         return self.unread_retired()
 
-    def unread_retired(self) -> list[tuple[int, int]]:
-        """The retired descriptors of the mirrors with no read running, taken: none can use them
-        any more (per mirror: another mirror's reads must not keep them open)."""
-        out = [(d, fd) for d, fd in self.retired if not self.mirror_reads.get(d)]
-        self.retired = [(d, fd) for d, fd in self.retired if self.mirror_reads.get(d)]
+    def unread_retired(self) -> list[tuple[DriveWorkers, int]]:
+        """The retired descriptors no read can use any more, taken: those of workers with no read
+        running (per workers: another mirror's reads, or a read stuck in an older drive of the
+        same mirror, must not keep them open)."""
+        out = [(w, fd) for w, fd in self.retired if not self.mirror_reads.get(w)]
+        self.retired = [(w, fd) for w, fd in self.retired if self.mirror_reads.get(w)]
         return out
 
     def stop_using(self, drive: int) -> None:
@@ -164,6 +178,7 @@ class Reader:
         self._went_down = trio.Event()
         self.replicas = replicas  # shared: a mirror added in a removed one's slot changes its root
         self.workers = workers  # shared with the engine, which closes them
+        self.retired_workers: list[DriveWorkers] = []  # replaced by `renew`: ending once their calls return
         self.waiting = Waiting(len(replicas))  # each drive's time alone, for colifs.balance
         self.io = io
         self.stats = stats
@@ -177,16 +192,32 @@ class Reader:
         """Open the primary copy (errors propagate) and every usable mirror copy (errors warn)."""
         of = self._open.get(f.relpath)
         if of is None:
-            fd = await self.workers[0].run(self.io.open, self._path(0, f))
+            fd = await self._open_primary(f)
             of = self._open.get(f.relpath)
             if of is None:
-                fds: list[int | None] = [fd] + [None] * (len(self.replicas) - 1)
-                of = self._open[f.relpath] = OpenFile(f, fds, {0}, set(f.copies[1:]), list(self._epoch))
+                n = len(self.replicas)
+                fds: list[int | None] = [fd] + [None] * (n - 1)
+                pools: list[DriveWorkers | None] = [self.workers[0]] + [None] * (n - 1)
+                of = OpenFile(f, fds, {0}, set(f.copies[1:]), list(self._epoch), pools)
+                self._open[f.relpath] = of
                 await self._attach(of)
                 return of
-            self._close(0, fd)  # another task opened it meanwhile
+            self.workers[0].forget(self.io.close, fd)  # another task opened it meanwhile
         of.hold()
         return of
+
+    async def _open_primary(self, f: ServedFile) -> int:
+        """The primary's copy, if it is still the file mounted: its headers and run table are that
+        file's, so a file replaced since (a rename, a rewrite) would mix its new bytes with the
+        mirrors' old ones. EIO instead, said once per file."""
+        path = self._path(0, f)
+        if f.primary_identity is None:
+            return await self.workers[0].run(self.io.open, path)
+        try:
+            return await self.workers[0].run(open_checked, self.io, path, f.primary_identity)
+        except Changed as e:
+            self.mirrors.primary_changed(f, str(e))
+            raise OSError(errno.EIO, "the primary changed since mount", path) from None
 
     async def _attach(self, of: OpenFile) -> None:
         """Open the file's mirror copies, except on down mirrors: those wait until they are back.
@@ -199,10 +230,11 @@ class Reader:
                 continue
             epoch = self._epoch[i]  # before the open: a comeback while it runs renews it
             ident = f.identities[i]  # a reload while the open runs may validate another copy
+            pool = self.workers[i]  # the descriptor is theirs, whoever serves the drive later
             try:
-                late = functools.partial(self._close_late, i)
+                late = functools.partial(self._close_late, pool)
                 path = self._path(i, f)
-                fd = await self.workers[i].run(open_checked, self.io, path, ident, on_late=late)
+                fd = await pool.run(open_checked, self.io, path, ident, on_late=late)
             except OSError as e:
                 if e.errno in OUT_OF_DESCRIPTORS:
                     self.mirrors.out_of_descriptors(f, i)
@@ -213,10 +245,20 @@ class Reader:
             except Changed as e:
                 self.mirrors.changed(f, i, str(e), e.expected)
             else:
-                if f.identities.get(i) == ident:
-                    of.attach(i, fd, epoch)
+                if f.identities.get(i) == ident and pool is self.workers[i]:
+                    of.attach(i, fd, epoch, pool)
                 else:  # a reload dropped or replaced the copy meanwhile (it queued it again, if valid)
-                    self._close(i, fd)
+                    pool.forget(self.io.close, fd)
+
+    def renew(self, drive: int, fresh: DriveWorkers) -> DriveWorkers:
+        """Drive `drive` gets workers of their own (its mirror removed, or another directory in its
+        place): none of the old ones' calls, stuck in a hung drive maybe, holds up the new ones.
+        The old ones retire (they end once their calls return) and are returned."""
+        old = self.workers[drive]
+        self.workers[drive] = fresh
+        old.retire()
+        self.retired_workers.append(old)
+        return old
 
     def grow(self, workers: DriveWorkers) -> None:
         """One more mirror while serving (no file has a copy on it yet): its workers."""
@@ -233,8 +275,8 @@ class Reader:
         of = self._open.get(f.relpath)
         if of is not None:
             of.swap(drive, identity is not None)
-            for d, fd in of.unread_retired():
-                self._close(d, fd)
+            for pool, fd in of.unread_retired():
+                pool.forget(self.io.close, fd)
         return True
 
     def open_files(self) -> int:
@@ -242,28 +284,27 @@ class Reader:
         return len(self._open)
 
     def release(self, of: OpenFile) -> None:
+        """One open fewer; at the last, every descriptor is closed on the workers it was opened on:
+        a close can block (a FUSE or NFS mirror's flush), and every handler waits for this thread.
+        The number stays taken until then."""
         if of.let_go():
             del self._open[of.file.relpath]
-            for d, fd in [*enumerate(of.fds), *of.retired]:
-                if fd is not None:
-                    self._close(d, fd)
+            held = [(pool, fd) for pool, fd in zip(of.pools, of.fds, strict=True) if fd is not None]
+            for pool, fd in [*held, *of.retired]:
+                assert pool is not None  # set with its descriptor
+                pool.forget(self.io.close, fd)
 
-    def _mirror_read_done(self, of: OpenFile, drive: int) -> None:
-        """A mirror read returned (in time or late): its mirror's retired descriptors close once
-        none runs there."""
-        for d, fd in of.mirror_read_ends(drive):
-            self._close(d, fd)
+    def _mirror_read_done(self, of: OpenFile, pool: DriveWorkers) -> None:
+        """A mirror read returned (in time or late): the retired descriptors of its workers close
+        once none runs there."""
+        for owner, fd in of.mirror_read_ends(pool):
+            owner.forget(self.io.close, fd)
         self.release(of)
 
-    def _close(self, drive: int, fd: int) -> None:
-        """Closed on the drive's own threads: a close can block (a FUSE or NFS mirror's flush),
-        and every handler waits for this thread. The number stays taken until then."""
-        self.workers[drive].forget(self.io.close, fd)
-
-    def _close_late(self, drive: int, result: outcome.Outcome) -> None:
+    def _close_late(self, pool: DriveWorkers, result: outcome.Outcome) -> None:
         """A mirror open that answered after its timeout: nobody uses the descriptor."""
         if isinstance(result, outcome.Value):
-            self._close(drive, result.value)
+            pool.forget(self.io.close, result.value)
 
     def _pread_checked(self, fd: int, view: memoryview, offset: int, expect: Identity) -> int:
         """A mirror read whose bytes count only if the file is unchanged after it (worker thread)."""
@@ -370,12 +411,11 @@ class Reader:
         even given up on: a descriptor closed under it could have its number reused by another
         open before its pread; and its mirror's retired descriptors stay open until then.
         `waited`: each read is pending on its drive (time alone) until it settles."""
-        mirror_reads = [k for k, d in enumerate(drives) if d != 0]
-        for k in mirror_reads:
-            of.mirror_read_starts(drives[k])
+        # the workers whose descriptor each mirror read uses
+        pools = {k: of.mirror_read_starts(d) for k, d in enumerate(drives) if d != 0}
 
         def late(k: int, _result: outcome.Outcome) -> None:  # only mirror reads are ever late
-            self._mirror_read_done(of, drives[k])
+            self._mirror_read_done(of, pools[k])
 
         def settled(k: int) -> None:
             self.waiting.change(drives[k], -1)
@@ -384,9 +424,9 @@ class Reader:
             for d in drives:
                 self.waiting.change(d, 1)
         outcomes = await gather(calls, late, settled if waited else None)
-        for k in mirror_reads:
+        for k, pool in pools.items():
             if outcomes[k] is not None:  # in time (a late one lets go when it returns)
-                self._mirror_read_done(of, drives[k])
+                self._mirror_read_done(of, pool)
         return outcomes
 
     async def _read_runs(

@@ -36,6 +36,7 @@ class DriveWorkers:
     def __init__(self, name: str, threads: int, timeout: float | None = None) -> None:
         self.name = name
         self.timeout = timeout
+        self.retired = False  # another set of workers serves the drive now (Reader.renew)
         self.busy = 0  # jobs queued or running: reads in flight on this drive
         self._running = 0  # jobs running now, and since when (under _lock): the drive's busy time
         self._since = 0.0
@@ -66,6 +67,12 @@ class DriveWorkers:
                 self._busy_s += now - self._since
 
     @property
+    def in_calls(self) -> int:
+        """Calls running on these threads now: a call stuck in a hung drive counts until it returns."""
+        with self._lock:
+            return self._running
+
+    @property
     def busy_seconds(self) -> float:
         """Seconds with at least one job running, since start (what colifs.balance divides by)."""
         with self._lock:
@@ -81,8 +88,26 @@ class DriveWorkers:
 
     def forget(self, fn: Callable[..., Any], *args: Any) -> None:
         """Queue fn(*args) with nobody waiting for it: a close, which can block (a FUSE or NFS
-        mirror's flush) and must not stall the trio thread, on which every handler runs."""
-        self._queue.put((fn, args, _nobody))
+        mirror's flush) and must not stall the trio thread, on which every handler runs. Retired
+        workers' threads are ending: there it runs on a thread of its own, still counted."""
+        if self.retired:
+            threading.Thread(
+                target=self._run_alone, args=(fn, args), name=f"{self.name}-late", daemon=True
+            ).start()
+        else:
+            self._queue.put((fn, args, _nobody))
+
+    def _run_alone(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self._active(1)
+        outcome.capture(fn, *args)
+        self._active(-1)
+
+    def retire(self) -> None:
+        """No more work comes (the drive has new workers): each thread ends once what was queued
+        before is done, a call stuck in a hung drive included. Never blocks."""
+        self.retired = True
+        for _ in self._threads:
+            self._queue.put(None)
 
     def finished(self) -> None:
         """A submitted job's outcome was taken (on the trio thread): one fewer in flight."""

@@ -532,6 +532,45 @@ def test_a_mirror_file_changed_after_mount_is_never_served(tmp_path: Path, chang
         assert "changed since mount" in st["files"][target.name]["note"]
 
 
+def rewrite_in_place_keeping_mtime(path: Path) -> None:
+    """Every byte after the safetensors header inverted, on the same inode, its size kept and its
+    mtime put back: what `rsync --inplace -t`, `cp -p` onto the file or `touch -r` leave. Only the
+    ctime, which user space cannot set, tells."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        f.seek(start)
+        data = f.read()
+        f.seek(start)
+        f.write(bytes(b ^ 0xFF for b in data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = path.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert now.st_ctime_ns != st.st_ctime_ns
+
+
+def test_a_mirror_copy_rewritten_in_place_with_its_mtime_restored_is_never_served(tmp_path: Path) -> None:
+    """Same device, inode, size and mtime, other bytes: the copy's ctime moved, so it is dropped for
+    its file, which reads the primary's bytes; the other files stay mirrored."""
+    primary, mirror = setup_model(tmp_path)
+    target, other = sorted(primary.glob("*.safetensors"))[:2]
+    with colifs_on(primary, mirror, tmp_path / "mnt") as mnt:
+        read_all(mnt, primary)
+        assert stats(mnt)["replicas"][1]["bytes_served"] > 0  # the mirror serves, the test proves something
+        rewrite_in_place_keeping_mtime(mirror / target.name)
+        before = stats(mnt)["replicas"][1]["bytes_served"]
+        data = target.read_bytes()
+        for _ in range(3):
+            assert read_direct(mnt / target.name, 0, len(data)) == data
+        st = stats(mnt)
+        assert st["replicas"][1]["bytes_served"] == before  # none of that file from the mirror
+        entry = st["files"][target.name]
+        assert entry["replicas"] == [str(primary)] and "changed since mount" in entry["note"], entry
+        assert "ctime" in entry["note"], entry
+        assert read_direct(mnt / other.name, 0, other.stat().st_size) == other.read_bytes()
+        assert stats(mnt)["replicas"][1]["bytes_served"] > before  # the other files still mirrored
+
+
 def test_a_failing_primary_is_eio_and_the_mount_keeps_serving(tmp_path: Path) -> None:
     """The primary itself through the fault-injecting FUSE: EIO to the caller, logged, and the
     same files read fine again once the drive answers."""

@@ -18,6 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import force_unmount, mounted, read_direct, refuse, run_colifs, shards, streaming
+from tests.mount.test_faults import daemon_fds, daemon_fds_back_to, faulty_mirror, setup_model
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
@@ -303,3 +304,64 @@ def test_mirrors_join_a_mount_of_the_primary_alone_while_readers_stream(model, t
         families = {f.name: f for f in text_string_to_metric_families(prom)}
         assert len(families["colifs_served_bytes"].samples) == 3
         assert held_there(st["pid"], mirror) == []
+
+
+def mirror_offset(mnt: Path, name: str, size: int) -> int:
+    """A 4 KiB block of `name` that the mirror (the mount's only one) serves whole now."""
+    for off in range(64 << 10, size - 8192, 64 << 10):
+        ends = [json.loads(os.getxattr(mnt / name, f"user.colifs.route.{x}")) for x in (off, off + 4095)]
+        if all(e["drive"] == "mirror" for e in ends):
+            return off
+    raise AssertionError(f"no block of {name} on the mirror")
+
+
+@pytest.mark.daemon_warns(r"no answer")
+def test_a_mirror_put_in_a_hung_removed_ones_place_never_waits_for_it(tmp_path: Path) -> None:
+    """The mirror's drive (faultfs) hangs a read's open, with one drive thread: the removal says the
+    call is still inside the drive (exit 6: it cannot be unmounted yet). A directory added in its
+    place serves at once, every read from it, none waiting behind the hung open (before, its reads
+    queued behind it, timed out and fell back), and is removed again at once. Once the drive
+    answers, the call returns and nothing of it is left: no descriptor there, no call, the daemon's
+    descriptors as before."""
+    primary, source = setup_model(tmp_path)
+    control, faulty, new = tmp_path / "control", tmp_path / "faulty", tmp_path / "new"
+    shutil.copytree(source, new)
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    flags = ("--weights", "1,1", "--threads-per-drive", "1", "--mirror-timeout", "0.5")
+    with faulty_mirror(source, faulty, control), mounted(primary, [faulty], tmp_path / "mnt", *flags) as m:
+        pid = m.stats()["pid"]
+        fds0 = daemon_fds(pid)
+        name = sorted(want)[0]
+        off = mirror_offset(m.path, name, len(want[name]))
+        control.write_text("hang-open")
+        try:
+            assert read_direct(m.path / name, off, 4096) == want[name][off : off + 4096]  # after 0.5 s
+            out = run_colifs("mirror", "remove", str(m.path), str(faulty), "--timeout", "1")
+            assert out.returncode == 6 and "1 calls are still inside its drive" in out.stderr, out
+            assert m.stats()["reload"]["calls_left_behind"] == [{"path": str(faulty), "calls": 1}]
+
+            out = run_colifs("mirror", "add", str(m.path), str(new), "--weight", "1")
+            assert out.returncode == 0 and out.stdout.startswith(f"mirror {new} added: 3 files"), out
+            before = m.stats()
+            for _ in range(2):
+                for p, data in want.items():
+                    assert read_direct(m.path / p, 0, len(data)) == data
+            after = m.stats()
+            assert after["replicas"][1]["path"] == str(new)
+            assert after["replicas"][1]["bytes_served"] > before["replicas"][1]["bytes_served"]
+            assert after["fallbacks"] == before["fallbacks"]  # no read of it waited and gave up
+            assert after["replicas"][1]["health"]["timeouts"] == before["replicas"][1]["health"]["timeouts"]
+            assert after["replicas"][1]["health"]["state"] == "up"
+
+            out = run_colifs("mirror", "remove", str(m.path), str(new), "--timeout", "5")
+            assert out.returncode == 0, out  # nothing of it waits for the old drive's call either
+            assert held_there(pid, new) == []
+            assert m.stats()["reload"]["calls_left_behind"] == [{"path": str(faulty), "calls": 1}]
+        finally:
+            control.write_text("ok")  # the hung open returns
+        deadline = time.monotonic() + 10
+        while m.stats()["reload"]["calls_left_behind"]:
+            assert time.monotonic() < deadline, m.stats()["reload"]
+            time.sleep(0.05)
+        assert held_there(pid, faulty) == []
+        assert daemon_fds_back_to(pid, len(fds0)) == fds0

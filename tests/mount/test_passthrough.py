@@ -5,6 +5,7 @@ daemon serves is served too. Every byte is the primary's whatever the mix of ope
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import random
@@ -200,3 +201,26 @@ def test_a_mapping_passed_through_keeps_the_mount_in_use(fused, tmp_path: Path) 
             assert mm[: 1 << 20] == model.read_bytes()[: 1 << 20]
         finally:
             mm.close()
+
+
+@pytest.mark.daemon_warns(r"the primary changed since mount")
+def test_a_primary_replaced_while_mounted_is_never_passed_through(fused, tmp_path: Path) -> None:
+    """A model file replaced on the primary by a rename (same size, other bytes) after it was read
+    passed through and closed: its next open fails with EIO; the kernel is never handed the new
+    file to read."""
+    primary, mirror, model = fused
+    old = model.read_bytes()
+    with mounted(primary, [mirror], tmp_path / "mnt", *PT) as m:
+        via = m.path / model.name
+        with open(via, "rb") as f:
+            assert f.read() == old
+        released(m)
+        before = m.stats()["passthrough"]["page_cache_opens_passed_through"]
+        staged = primary / ".m.gguf.part"
+        staged.write_bytes(old[: len(old) // 2] + bytes(b ^ 0xFF for b in old[len(old) // 2 :]))
+        staged.replace(model)
+        for _ in range(2):
+            with pytest.raises(OSError) as e:
+                open(via, "rb").close()
+            assert e.value.errno == errno.EIO
+        assert m.stats()["passthrough"]["page_cache_opens_passed_through"] == before

@@ -4,7 +4,9 @@ no reader disturbed. Every mirror ends as it was at mount (a copy is moved away 
 
 from __future__ import annotations
 
+import errno
 import json
+import mmap
 import os
 import shutil
 import signal
@@ -153,6 +155,9 @@ def test_sighup_reloads_and_keeps_serving(model) -> None:
             assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
 
 
+CHANGED = "changed since mount; opens of it fail (EIO) until it is mounted again"
+
+
 @pytest.mark.daemon_warns(r"the primary changed since mount")
 def test_a_reload_says_when_the_primary_changed(model) -> None:
     primary, mirror, mnt = model
@@ -161,7 +166,86 @@ def test_a_reload_says_when_the_primary_changed(model) -> None:
         st = first.stat()
         os.utime(first, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         out = reload(mnt)
-        assert out[-1] == f"primary {first.name}: changed since mount; served as before (remount to serve it)"
+        assert out[-1] == f"primary {first.name}: {CHANGED}"
+        with pytest.raises(OSError) as e:  # touched: not the file mounted, whatever its bytes
+            read_direct(mnt / first.name, 0, 4096)
+        assert e.value.errno == errno.EIO
+
+
+def replaced_by_a_rename(path: Path) -> bytes:
+    """`path` replaced as `hf download --local-dir` or rsync do: a new file of the same size and
+    header, other tensor bytes, renamed over it. Its new bytes."""
+    data = path.read_bytes()
+    start = 8 + int.from_bytes(data[:8], "little")
+    new = data[:start] + bytes(b ^ 0xFF for b in data[start:])
+    staged = path.with_name(f".{path.name}.part")
+    staged.write_bytes(new)
+    staged.replace(path)
+    return new
+
+
+def eio_once_released(path: Path, mounted_bytes: bytes) -> None:
+    """Opens of `path` fail with EIO once the daemon saw the last open of the old file released
+    (the kernel sends RELEASE a moment after close()); until then an open still shares the old
+    file: every byte it reads must be that file's."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            got = read_direct(path, 0, len(mounted_bytes))
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+            return
+        assert got == mounted_bytes  # never a byte of the new file, never a mix
+        assert time.monotonic() < deadline, "opens of the replaced primary still succeed"
+        time.sleep(0.05)
+
+
+@pytest.mark.daemon_warns(r"the primary changed since mount")
+def test_a_primary_replaced_by_a_rename_while_mounted_never_mixes_bytes(model) -> None:
+    """A same-size shard with the same header replaced on the primary while mounted: an open held
+    from before reads the file mounted to its end; once it is closed, opens fail with EIO and one
+    warning, where the primary's pieces once came from the new file and the mirror's from the old
+    copy; the other shards serve on. A reload says so, and drops the mirror's copy once that is
+    replaced too (an rsync of the new file), never adding it."""
+    primary, mirror, mnt = model
+    target, *others = shards(primary)
+    old = target.read_bytes()
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        for p in shards(primary):
+            assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+        assert mirror_bytes(m) > 0  # both drives serve: a mix would show
+        fd = os.open(mnt / target.name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            new = replaced_by_a_rename(target)
+            assert len(new) == len(old) and new != old
+            buf = mmap.mmap(-1, len(old))
+            assert os.preadv(fd, [buf], 0) == len(old) and buf[:] == old  # the file mounted, whole
+        finally:
+            os.close(fd)
+        eio_once_released(mnt / target.name, old)
+        for _ in range(3):
+            with pytest.raises(OSError) as e:
+                read_direct(mnt / target.name, 0, len(old))
+            assert e.value.errno == errno.EIO
+        st = m.stats()
+        said = [w for w in st["recent_warnings"] if "the primary changed since mount" in w]
+        assert len(said) == 1 and target.name in said[0], said
+        assert "the primary changed since mount" in st["files"][target.name]["note"]
+        for p in others:
+            assert read_direct(mnt / p.name, 0, p.stat().st_size) == p.read_bytes()
+
+        copy = mirror / target.name
+        aside = copy.with_name(copy.name + ".orig")
+        copy.rename(aside)
+        copy.write_bytes(new)  # the mirror follows the primary: valid for the new file, not the old
+        try:
+            assert reload(mnt) == [
+                f"mirror {mirror}: 0 files added, 1 dropped, 2 model files served",
+                f"primary {target.name}: {CHANGED}",
+            ]
+            assert m.stats()["files"][target.name]["replicas"] == [str(primary)]
+        finally:
+            aside.replace(copy)  # the mirror as it was at mount
 
 
 def test_stage_onto_a_mirror_a_mount_uses_makes_it_serve_the_new_copies(model) -> None:

@@ -54,15 +54,17 @@ def test_a_copy_added_changed_and_gone(tmp_path: Path) -> None:
     assert primary_changed == [] and all(v.drive == 1 for v in verdicts)
 
 
-def test_a_primary_that_changed_is_said_and_its_file_left_alone(tmp_path: Path) -> None:
+def test_a_primary_that_changed_is_said_and_only_its_changed_copies_dropped(tmp_path: Path) -> None:
+    """The engines refuse a changed primary's new opens; its mirror copy is dropped if it changed
+    too, kept if not (it holds the bytes mounted, which files open before read on), never added."""
     tree, files, replicas, primary, mirror = catalogue(tmp_path, 3)
-    first = sorted(by_name(files))[0]
-    data = bytearray((mirror / first).read_bytes())
-    data[9] ^= 0x20
-    (mirror / first).write_bytes(bytes(data))
-    os.utime(primary / first, ns=(0, 1))  # the primary changed too: said, and left alone
+    first, second = sorted(by_name(files))[:2]
+    (mirror / first).write_bytes((primary / first).read_bytes())  # rewritten: valid, but not the copy mounted
+    for name in (first, second):
+        os.utime(primary / name, ns=(0, 1))
     verdicts, primary_changed = recheck(tree, files, replicas)
-    assert verdicts == [] and primary_changed == [first]
+    assert primary_changed == [first, second]
+    assert [(files[v.ino].relpath, v.drive, v.identity) for v in verdicts] == [(first, 1, None)]
 
 
 def test_the_reloader_puts_the_verdicts_in_force_and_counts(tmp_path: Path) -> None:
