@@ -159,6 +159,26 @@ def assemble(
 TIMING_PROBE_S = 0.3  # s per drive: a probe for the drives' rates alone (no weights to choose)
 
 
+def _timed(
+    cfg: MountConfig,
+    replicas: list[Replica],
+    files: Mapping[int, ServedFile],
+    groups: list[list[int]],
+    weigh: bool,
+) -> list[ProbeResult]:
+    """The drives' rates: a probe long enough to weigh them, or (weights given, or one drive) a short
+    one for the native engine, whose fills, passthrough (colifs.depth) and readahead (colifs.kernel)
+    follow the drives' speed from the first open: there the order of magnitude is enough."""
+    if cfg.probe_seconds <= 0 or not (weigh or cfg.engine == "native"):
+        return []
+    seconds = cfg.probe_seconds if weigh else min(cfg.probe_seconds, TIMING_PROBE_S)
+    probed = probe(replicas, list(files.values()), seconds, groups)
+    for line in table(probed).splitlines():
+        if weigh or not line.startswith("suggested:"):
+            log.info("probe: %s", line)
+    return probed
+
+
 def _routing(
     cfg: MountConfig,
     replicas: list[Replica],
@@ -167,44 +187,30 @@ def _routing(
     groups: list[list[int]],
 ) -> _Routing:
     """The weights: given, or probed; raised for the mirrors' files when mirrors are partial."""
-    probed: list[ProbeResult] = []
     weigh = cfg.weights is None and len(replicas) > 1
-    if cfg.probe_seconds > 0 and (weigh or cfg.engine == "native"):
-        # Weights given, or one drive: no split to weigh, but the drives' rates tell the native
-        # engine whether fills or passthrough serve them best (colifs.depth) and choose the
-        # readahead (colifs.kernel) from the first open: the order of magnitude is enough.
-        seconds = cfg.probe_seconds if weigh else min(cfg.probe_seconds, TIMING_PROBE_S)
-        probed = probe(replicas, list(files.values()), seconds, groups)
-        for line in table(probed).splitlines():
-            if weigh or not line.startswith("suggested:"):
-                log.info("probe: %s", line)
+    probed = _timed(cfg, replicas, files, groups, weigh)
     speeds = weights_from(probed) if probed else []
     if weigh and speeds:
         replicas = [replace(r, weight=w) for r, w in zip(replicas, speeds, strict=True)]
     log.info("%s", describe(replicas, cfg.weights_source, files))
-    shown = tuple(
-        {
-            "path": p.replica.root,
-            "mb_per_s": p.mb_per_s,
-            "bytes": p.nbytes,
-            "seconds": p.seconds,
-            "direct": p.direct,
-        }
-        for p in probed
-    )
     plain = [r.weight for r in replicas]
     measured = all(p.mb_per_s for p in probed) and bool(probed)
+    shown = tuple(p.shown() for p in probed)
     routing = _Routing(replicas, plain, shown, None, None, sum(speeds) if measured else None)
     routing.recount(files, history, plain)
     if routing.partial is not None:
-        log.info(
-            "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
-            "expected byte split %s",
-            " / ".join(f"{100 * x:.0f}%" for x in routing.partial["coverage"][1:]),
-            ":".join(f"{w:.3g}" for w in routing.weights),
-            " / ".join(f"{100 * x:.0f}%" for x in routing.partial["predicted_byte_share"]),
-        )
+        _say_partial(routing.partial, routing.weights)
     return routing
+
+
+def _say_partial(partial: dict, weights: list[float]) -> None:
+    log.info(
+        "partial mirror(s): holding %s of the traffic in the usage history; weights %s; "
+        "expected byte split %s",
+        " / ".join(f"{100 * x:.0f}%" for x in partial["coverage"][1:]),
+        ":".join(f"{w:.3g}" for w in weights),
+        " / ".join(f"{100 * x:.0f}%" for x in partial["predicted_byte_share"]),
+    )
 
 
 @dataclass(frozen=True)

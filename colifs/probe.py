@@ -38,6 +38,16 @@ class ProbeResult:
     direct: bool
     one_drive_with: tuple[int, ...] = ()  # the replicas (indices) on this one's drive, itself included
 
+    def shown(self) -> dict:
+        """As stats.json shows it."""
+        return {
+            "path": self.replica.root,
+            "mb_per_s": self.mb_per_s,
+            "bytes": self.nbytes,
+            "seconds": self.seconds,
+            "direct": self.direct,
+        }
+
 
 def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
     """(path, offset) pairs spread over the data of the replica's largest model files."""

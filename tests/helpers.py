@@ -31,6 +31,9 @@ from colifs.synth import write_checkpoint, write_gguf
 
 COLIFS = [sys.executable, "-m", "colifs"]
 ROOT = Path(__file__).resolve().parents[1]  # the repository
+# Weights given and no drive timed: the drives' depth stays unknown, so fills run. Timed, the test
+# drives (the page cache behind them) need no reads in flight: fills would stay off.
+UNTIMED = ("--weights", "1,1", "--probe-seconds", "0")
 
 
 # -- the object graph without a mount (tests/ops) ---------------------------------------------------

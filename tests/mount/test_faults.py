@@ -632,11 +632,12 @@ def test_slow_drives_probed_at_mount_get_the_small_readahead(tmp_path: Path, eng
 def test_a_mount_with_weights_takes_the_readahead_of_the_speed_its_drives_deliver(
     tmp_path: Path, engine: str
 ) -> None:
-    """Weights given: no probe, so the mount starts at the default readahead; once both drives,
-    slowed to 30 and 10 MB/s, were read saturated for a while, the native engine's readahead for
-    later opens is 32 KiB, and stats.json says it was measured. The pyfuse3 engine keeps its own."""
+    """Weights given and no drive timed (--probe-seconds 0), so the mount starts at the default
+    readahead; once both drives, slowed to 30 and 10 MB/s, were read saturated for a while, the native
+    engine's readahead for later opens is 32 KiB, and stats.json says it was measured. The pyfuse3
+    engine keeps its own. (Timed at mount: test_probe_and_knobs.)"""
     with slow_drives(tmp_path) as (source, slow):
-        with colifs_on(*slow, tmp_path / "mnt", weights="3,1") as mnt:
+        with colifs_on(*slow, tmp_path / "mnt", "--probe-seconds", "0", weights="3,1") as mnt:
             first = stats(mnt)["kernel"]
             assert first["read_ahead_kb"] == (128 if engine == "native" else 512), first
             t0, seconds = time.monotonic(), 30 if engine == "native" else 6

@@ -22,7 +22,7 @@ import pytest
 
 from colifs.formats.layout import ExpertKey
 from colifs.synth import write_gguf
-from tests.helpers import ROOT, drop_file_cache, extents_of, fused_model, mounted
+from tests.helpers import ROOT, UNTIMED, drop_file_cache, extents_of, fused_model, mounted
 
 sys.path.insert(0, str(ROOT / "contrib" / "bench"))
 from latency_drive import BDP_KB, LatencyDrive, latency_us
@@ -153,7 +153,7 @@ def test_every_byte_is_right_when_the_page_cache_is_too_small(
     want = model.read_bytes()
     spans = [s for L in range(4) for e in range(EXPERTS) for s in extents_of(model, ExpertKey("blk", L, e))]
     order = [spans[(i * 7) % len(spans)] for i in range(len(spans))] * 2
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--fill-mib", "16") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED, "--fill-mib", "16") as m:
         memory_cgroup.joinpath("cgroup.procs").write_text(f"{m.stats()['pid']}\n")
         drop_file_cache(m.path / model.name)
         wrap = ["sh", "-c", f'echo $$ > {memory_cgroup}/cgroup.procs && exec "$@"', "sh"]

@@ -15,13 +15,24 @@ from pathlib import Path
 import pytest
 
 from colifs.formats.layout import ExpertKey
-from tests.helpers import drop_file_cache, extents_of, fused_model, mounted, run_colifs, tensor_spans
+from tests.helpers import (
+    UNTIMED,
+    drop_file_cache,
+    extents_of,
+    fused_model,
+    mounted,
+    run_colifs,
+    tensor_spans,
+)
 from tests.mount.test_faults import read_all, stats, through_faultfs
 
 pytestmark = pytest.mark.mounts
 
 PAGE = mmap.PAGESIZE
 EXPERT = 3 * (2 << 20)  # the fused model's: three extents of 2 MiB
+# Weights given and no drive timed: the drives' depth stays unknown, so fills run. Timed, these test
+# drives (the page cache behind them) would need no reads in flight, and fills would stay off.
+UNTIMED = (*UNTIMED, "--probe-seconds", "0")
 
 
 @pytest.fixture
@@ -57,7 +68,7 @@ def test_page_cache_readers_are_answered_and_stored_by_fills(fused, tmp_path: Pa
     from both drives, its pieces answering requests or stored into the page cache."""
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as mm:
@@ -81,7 +92,7 @@ def test_one_touch_stores_the_whole_expert(fused, tmp_path: Path, native_only) -
     want = model.read_bytes()
     spans = extents_of(model, ExpertKey("blk", 1, 2))
     assert len(spans) == 3
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
         via = m.path / model.name
         drop_file_cache(via)
         a = spans[1][0] + 5 * PAGE  # the middle extent, a little way in
@@ -108,7 +119,7 @@ def test_fills_start_only_for_the_experts_a_reader_reads(fused, tmp_path: Path, 
     one, two = (extents_of(model, ExpertKey("blk", 1, e)) for e in (1, 2))
     assert one[0][1] == two[0][0]  # gate extents side by side
     three = extents_of(model, ExpertKey("blk", 0, 2))  # a layer nothing read yet
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb", buffering=0) as f:
@@ -145,7 +156,7 @@ def test_a_reader_streaming_through_another_tensor_gets_a_fill(fused, tmp_path: 
     primary, mirror, model = fused
     want = model.read_bytes()
     (s, e) = next((s, e) for s, e, name in tensor_spans(model) if name == "blk.1.attn_q.weight")
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb", buffering=0) as f:
@@ -164,7 +175,7 @@ def test_a_reader_streaming_through_another_tensor_gets_a_fill(fused, tmp_path: 
 def test_direct_readers_and_a_zero_budget_never_fill(fused, tmp_path: Path, native_only) -> None:
     primary, mirror, model = fused
     want = model.read_bytes()
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
         fd = os.open(m.path / model.name, os.O_RDONLY | os.O_DIRECT)
         try:
             got = mmap.mmap(-1, len(want) // PAGE * PAGE)
@@ -173,7 +184,7 @@ def test_direct_readers_and_a_zero_budget_never_fill(fused, tmp_path: Path, nati
             os.close(fd)
         assert got[:] == want[: len(got)]
         assert fills_of(m)["fills_started"] == 0
-    with mounted(primary, [mirror], tmp_path / "mnt2", "--weights", "1,1", "--fill-mib", "0") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt2", *UNTIMED, "--fill-mib", "0") as m:
         drop_file_cache(m.path / model.name)
         assert (m.path / model.name).read_bytes() == want
         assert fills_of(m)["fills_started"] == 0 and fills_of(m)["requests_answered"] == 0
@@ -186,7 +197,7 @@ def test_fills_never_hold_more_than_their_budget(fused, tmp_path: Path, native_o
     want = model.read_bytes()
     spans = [s for e in range(4) for s in extents_of(model, ExpertKey("blk", 1, e))]
     held, errors = [], []
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1", "--fill-mib", "8") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED, "--fill-mib", "8") as m:
         via = m.path / model.name
         drop_file_cache(via)
         done = threading.Event()
@@ -255,7 +266,7 @@ def test_fills_read_only_what_the_page_cache_lacks(fused, tmp_path: Path, native
     primary, mirror, model = fused
     want = model.read_bytes()
     spans = extents_of(model, ExpertKey("blk", 0, 3))
-    with mounted(primary, [mirror], tmp_path / "mnt", "--weights", "1,1") as m:
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
         via = m.path / model.name
         drop_file_cache(via)
         with open(via, "rb", buffering=0) as f:
@@ -288,7 +299,7 @@ def test_a_closed_reader_leaves_the_mount_free_to_unmount(fused, tmp_path: Path,
     primary, mirror, model = fused
     want = model.read_bytes()
     for i in range(8):
-        with mounted(primary, [mirror], tmp_path / f"mnt{i}", "--weights", "1,1") as m:
+        with mounted(primary, [mirror], tmp_path / f"mnt{i}", *UNTIMED) as m:
             via = m.path / model.name
             with open(via, "rb") as f:
                 wait_for(lambda: fills_of(m)["views_open"] == 1)
