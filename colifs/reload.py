@@ -503,18 +503,21 @@ class Reloader:
             h = self.health[r.index]
             if h.removed_at is not None and r.index not in self._unfinished:
                 raise UsageError(f"{path} was removed already (colifs mirror add puts it back)")
-            # With the copies dropped as changed while serving: the engine may hold their descriptors.
-            held = [ino for ino, f in self.files.items() if r.index in f.copies or r.index in f.identities]
+            # With the copies dropped as changed while serving (the engine may hold their descriptors),
+            # and those whose change still waits for their file's lock (it may put a copy in force).
+            late = {ino for ino, drive in self._late if drive == r.index}
+            on = r.index
+            held = [i for i, f in self.files.items() if i in late or on in f.copies or on in f.identities]
             t0 = time.monotonic()
-            first = h.removed_at is None
             h.remove()
             log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
             why = "removed (colifs mirror remove)"
             applied, busy = await self._apply([Verdict(ino, r.index, None, why) for ino in held], wait)
             self._reweigh(None)
             self._changed()
-            if first:  # its copies out: no new call starts in its drive, whatever the slot serves next
-                self._behind = [*self._behind, (r.root, self._retire(r.index))]
+            # Its copies out: a new generation serves the slot, and the calls of the old one (this
+            # removal's, or a removal's before that left a copy in) are watched until they return.
+            self._behind = [*self._behind, (r.root, self._retire(r.index))]
             left, calls = await self._closed(r.root, t0 + wait)
             change = {
                 "command": "remove", "path": r.root, "files": len(applied), "busy": len(busy),
@@ -592,6 +595,8 @@ class Reloader:
             if new:
                 index = self._place(root, weight, None if slot is None else slot.index)
                 one_drive([r.root for r in self.replicas])
+            else:  # back: on threads of its own, whatever its removal left in the drive
+                self._behind = [*self._behind, (root, self._retire(index))]
             self.health[index].restore()
             self._unfinished.discard(index)
             applied, busy = await self._apply(proven, wait)

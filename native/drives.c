@@ -726,6 +726,25 @@ static void gen_reap(drive_t *g) {
     }
 }
 
+/* The jobs a retired generation still queues (its threads may all be stuck in a hung drive) end
+ * stale at once: their copies were taken out before, and their readings read the primary instead
+ * of waiting out the mirror timeout (for ever without one). */
+static void gen_drain(engine_t *e, drive_t *g) {
+    pthread_mutex_lock(&g->m);
+    job_t *j = g->head;
+    g->head = g->tail = NULL;
+    pthread_mutex_unlock(&g->m);
+    while (j) {
+        job_t *next = j->next;
+        j->usable = 0;
+        j->changed = 1;
+        j->got = -1;
+        settle(e, g, j);
+        job_over(e, j);
+        j = next;
+    }
+}
+
 int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired) {
     drive_t *old = atomic_load(&e->drives[d]);
     int err;
@@ -735,6 +754,7 @@ int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired) {
     g->older = old;
     atomic_store(&e->drives[d], g); /* jobs handed out from now on are the new generation's */
     gen_retire(e, old);
+    gen_drain(e, old);
     gen_reap(old);
     *retired = old->number;
     return 0;
@@ -1185,6 +1205,10 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
         note(nt, EV_NO_FDS, jb->drive, 0, jb->gen, jb->what);
         return;
     }
+    if (!jb->done && jb->dg && atomic_load(&jb->dg->retired)) {
+        pc->status = RES_STALE; /* late in a removed mirror's drive: not held against the slot */
+        return;
+    }
     if (!jb->done) {
         pc->status = RES_TIMEOUT;
         snprintf(msg, sizeof msg, "timeout at %llu: no answer within %g s", (unsigned long long)jb->off,
@@ -1403,10 +1427,17 @@ int read_piece_here(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, n
                .usable = (atomic_load(&f->mask) >> d) & 1u, .dg = atomic_load(&e->drives[d])};
     pthread_mutex_unlock(&f->lock);
     pc->gen = j.gen;
-    atomic_fetch_add(&e->ctr.drive_busy[d], 1);
+    drive_t *g = j.dg; /* its share of the slot's gauges is its generation's, as submit keeps it */
+    pthread_mutex_lock(&g->m);
+    if (atomic_load(&g->retired)) /* retired before this piece was its: settle leaves the slot's */
+        atomic_fetch_sub(&e->queued[d], j.len);
+    else
+        atomic_fetch_add(&e->ctr.drive_busy[d], 1);
+    g->queued += j.len;
+    g->busy++;
+    pthread_mutex_unlock(&g->m);
     run_job(e, &j);
-    atomic_fetch_sub(&e->ctr.drive_busy[d], 1);
-    atomic_fetch_sub(&e->queued[d], j.len);
+    settle(e, g, &j);
     j.done = 1;
     judge(e, &j, pc, nt);
     job_done(e, f, d, j.gen);

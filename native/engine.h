@@ -38,7 +38,6 @@ static inline uint64_t align_down_u64(uint64_t n) { return n & ~(uint64_t)(BLOCK
 static inline uint64_t align_up_u64(uint64_t n) { return (n + BLOCK - 1) & ~(uint64_t)(BLOCK - 1); }
 #define FILL_DEPTH 8              /* fill.c: reads in flight per drive (threads) */
 #define FILL_PIECE (256u << 10)   /* fill.c: a piece, and a unit of the fills' arena */
-#define FILL_WORKERS (1 + MAX_REPLICAS * FILL_DEPTH)
 #define FILL_RECENT 16             /* fill.c: a file's reads remembered, to tell readahead running on */
 #define FD_CLOSED (-1)
 #define FD_FAILED (-2) /* a mirror copy that failed to open: not tried again while the file is open
@@ -246,9 +245,15 @@ typedef struct drive {
     struct drive *older;       /* the slot's generation before this one */
 } drive_t;
 
-typedef struct {
+/* A fill thread (fill.c): the store thread, or one of a drive's readers. A reader belongs to the
+ * drive's reader generation it was started in (fills.rgen): a newer one (a removed mirror's slot
+ * renewed) ends it at its next look, so no piece of a newer copy waits behind it. */
+typedef struct fill_worker {
     struct engine *e;
-    int drive; /* -1: the store thread */
+    int drive;    /* -1: the store thread */
+    uint32_t gen; /* fills.rgen[drive] when it started */
+    pthread_t thread;
+    struct fill_worker *next; /* fills.workers: freed once joined, at fills_stop */
 } fill_worker_t;
 
 /* Counters, read by Python through memoryviews (64-bit aligned: plain loads are atomic). */
@@ -353,11 +358,12 @@ typedef struct engine {
         uint32_t *free_units;
         size_t nunits, nfree;
         int stop;
-        fill_worker_t workers[FILL_WORKERS];
-        pthread_t threads[FILL_WORKERS];
+        fill_worker_t *workers;               /* every one started, newest first */
         int nworkers;
-        int readers[MAX_REPLICAS];            /* drive threads per drive (a piece of a drive with none
-                                                 is read from the primary) */
+        int readers[MAX_REPLICAS];            /* drive threads per drive, of its reader generation in
+                                                 force (a piece of a drive with none is read from the
+                                                 primary) */
+        uint32_t rgen[MAX_REPLICAS];          /* each drive's reader generation (fill_drive_renew) */
         _Atomic int paused;                   /* by Python, while memory is short: no new fills */
     } fills;
 
@@ -420,6 +426,10 @@ int fills_start(engine_t *e);              /* at mount: the store thread, FILL_D
 void fill_quiesce(engine_t *e);            /* before the loop is told to stop: no more stores, the
                                               one in progress finished (its request is answered) */
 int fill_drive_start(engine_t *e, int d);  /* a mirror joined */
+/* Mirror slot d was renewed (drive_renew): its readers of the old generation end at their next
+ * look (a stuck one when its call returns), FILL_DEPTH new ones start, and a request waiting for a
+ * piece an old one still reads reads it from the primary at once. 0 or an errno. */
+int fill_drive_renew(engine_t *e, int d);
 void fills_stop(engine_t *e);
 void fill_pause(engine_t *e, int paused);
 void fill_free_arena(engine_t *e); /* after the loop */

@@ -45,6 +45,7 @@ typedef struct fpiece {
     int state, urgent, done;
     uint64_t asked; /* its pages (bit i: the i-th BLOCK) a request answers: never stored */
     uint32_t unit; /* of the arena: FILL_PIECE bytes */
+    uint32_t rgen; /* while P_READING: the reader generation of its drive that reads it */
     struct fpiece *next; /* in its drive's queue, then in the store queue */
 } fpiece_t;
 
@@ -163,9 +164,27 @@ static fill_t *drop_locked(engine_t *e, fpiece_t *p) {
     return piece_done_locked(e, p);
 }
 
-static fpiece_t *pop_locked(engine_t *e, fpiece_t **head, fpiece_t **tail, pthread_cond_t *c) {
-    while (!*head && !e->fills.stop)
+/* A drive reader of a generation no longer in force (fill_drive_renew): it ends. */
+static int retired_locked(const engine_t *e, const fill_worker_t *w) {
+    return w->drive >= 0 && w->gen != e->fills.rgen[w->drive];
+}
+
+/* A piece read by a reader generation no longer in force: one stuck in a removed mirror's drive.
+ * Nobody waits for it (the request reads the primary); its bytes go nowhere but the page cache. */
+static int orphaned_locked(const engine_t *e, const fpiece_t *p) {
+    return p->state == P_READING && p->pc.drive > 0 && p->rgen != e->fills.rgen[p->pc.drive];
+}
+
+/* The next piece for w, or NULL once the fills stop or w's generation is retired. */
+static fpiece_t *pop_locked(engine_t *e, const fill_worker_t *w) {
+    int d = w->drive;
+    fpiece_t **head = d < 0 ? &e->fills.store_head : &e->fills.head[d];
+    fpiece_t **tail = d < 0 ? &e->fills.store_tail : &e->fills.tail[d];
+    pthread_cond_t *c = d < 0 ? &e->fills.store : &e->fills.work[d];
+    while (!*head && !e->fills.stop && !retired_locked(e, w))
         pthread_cond_wait(c, &e->fills.m);
+    if (retired_locked(e, w))
+        return NULL; /* what is queued is the new generation's */
     fpiece_t *p = *head;
     if (p) {
         *head = p->next;
@@ -255,12 +274,13 @@ static void *worker_main(void *arg) {
     int d = w->drive;
     for (;;) {
         pthread_mutex_lock(&e->fills.m);
-        fpiece_t *p = d < 0 ? pop_locked(e, &e->fills.store_head, &e->fills.store_tail, &e->fills.store)
-                            : pop_locked(e, &e->fills.head[d], &e->fills.tail[d], &e->fills.work[d]);
+        fpiece_t *p = pop_locked(e, w);
         int closing = p && d >= 0 && e->fills.stop; /* its bytes could go nowhere: not read */
         fill_t *gone = closing ? drop_locked(e, p) : NULL;
-        if (p && d >= 0 && !closing)
+        if (p && d >= 0 && !closing) {
             p->state = P_READING;
+            p->rgen = w->gen;
+        }
         pthread_mutex_unlock(&e->fills.m);
         if (!p)
             return NULL;
@@ -275,15 +295,26 @@ static void *worker_main(void *arg) {
     }
 }
 
+/* One more worker, of the drive's reader generation in force (a reader: counted in readers). */
 static int start_worker(engine_t *e, int drive) {
-    if (e->fills.nworkers == FILL_WORKERS)
+    fill_worker_t *w = calloc(1, sizeof *w);
+    if (!w)
         return ENOMEM;
-    fill_worker_t *w = &e->fills.workers[e->fills.nworkers];
     w->e = e;
     w->drive = drive;
-    int err = pthread_create(&e->fills.threads[e->fills.nworkers], NULL, worker_main, w);
-    if (!err)
+    pthread_mutex_lock(&e->fills.m);
+    w->gen = drive >= 0 ? e->fills.rgen[drive] : 0;
+    int err = pthread_create(&w->thread, NULL, worker_main, w);
+    if (!err) {
+        w->next = e->fills.workers;
+        e->fills.workers = w;
         e->fills.nworkers++;
+        if (drive >= 0)
+            e->fills.readers[drive]++;
+    }
+    pthread_mutex_unlock(&e->fills.m);
+    if (err)
+        free(w);
     return err;
 }
 
@@ -291,13 +322,21 @@ int fill_drive_start(engine_t *e, int d) {
     if (!e->fills.budget)
         return 0;
     int err = 0;
-    for (int t = 0; t < FILL_DEPTH && !err; t++) {
+    for (int t = 0; t < FILL_DEPTH && !err; t++)
         err = start_worker(e, d);
-        pthread_mutex_lock(&e->fills.m);
-        e->fills.readers[d] += !err;
-        pthread_mutex_unlock(&e->fills.m);
-    }
     return err;
+}
+
+int fill_drive_renew(engine_t *e, int d) {
+    if (!e->fills.budget)
+        return 0;
+    pthread_mutex_lock(&e->fills.m);
+    e->fills.rgen[d]++;
+    e->fills.readers[d] = 0; /* until the new ones start, its pieces are the primary's */
+    pthread_cond_broadcast(&e->fills.work[d]);
+    pthread_cond_broadcast(&e->fills.landed); /* who waits for an orphaned piece stops waiting */
+    pthread_mutex_unlock(&e->fills.m);
+    return fill_drive_start(e, d);
 }
 
 int fills_start(engine_t *e) {
@@ -335,12 +374,18 @@ void fills_stop(engine_t *e) {
     for (int d = 0; d < MAX_REPLICAS; d++)
         pthread_cond_broadcast(&e->fills.work[d]);
     pthread_cond_broadcast(&e->fills.store);
+    fill_worker_t *w = e->fills.workers;
+    e->fills.workers = NULL;
     pthread_mutex_unlock(&e->fills.m);
-    for (int t = 0; t < e->fills.nworkers; t++) {
-        if (pthread_timedjoin_np(e->fills.threads[t], NULL, &deadline) != 0) {
-            pthread_detach(e->fills.threads[t]);
+    while (w) {
+        fill_worker_t *next = w->next;
+        if (pthread_timedjoin_np(w->thread, NULL, &deadline) == 0) {
+            free(w);
+        } else { /* it still uses w */
+            pthread_detach(w->thread);
             e->threads_left = 1;
         }
+        w = next;
     }
     e->fills.nworkers = 0;
 }
@@ -677,7 +722,7 @@ static int wait_landed_locked(engine_t *e, fpiece_t **ps, size_t n, int *waited)
     for (;;) {
         int pending = 0;
         for (size_t i = 0; i < n; i++) {
-            if (ps[i]->state == P_FAILED)
+            if (ps[i]->state == P_FAILED || orphaned_locked(e, ps[i]))
                 return -1;
             pending |= ps[i]->state != P_LANDED;
         }
@@ -720,7 +765,7 @@ static void reroute_locked(engine_t *e, int d) {
 static void late_locked(engine_t *e, fpiece_t **ps, size_t n, notes_t *nt) {
     for (size_t i = 0; i < n; i++) {
         int d = ps[i]->pc.drive;
-        if (d && (ps[i]->state == P_QUEUED || ps[i]->state == P_READING)) {
+        if (d && (ps[i]->state == P_QUEUED || ps[i]->state == P_READING) && !orphaned_locked(e, ps[i])) {
             note_timeout(e, nt, d, ps[i]->pc.start);
             reroute_locked(e, d);
         }

@@ -680,7 +680,7 @@ static PyObject *Engine_add_drive(EngineObject *self, PyObject *args) {
         return NULL;
     engine_t *e = &self->e;
     int d = atomic_load(&e->nrep);
-    char *s = d >= 1 && d < MAX_REPLICAS && self->mounted ? dup_bytes(root) : NULL;
+    char *s = d >= 1 && d < MAX_REPLICAS && self->mounted && !self->destroyed ? dup_bytes(root) : NULL;
     if (!s) {
         PyBuffer_Release(&b);
         if (!PyErr_Occurred())
@@ -692,9 +692,12 @@ static PyObject *Engine_add_drive(EngineObject *self, PyObject *args) {
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
-    int err = add_drive(e, b.buf, (size_t)b.len);
+    int err;
+    Py_BEGIN_ALLOW_THREADS /* the fills' lock may be held by a thread that calls into Python */
+    err = add_drive(e, b.buf, (size_t)b.len);
     if (!err)
         fill_drive_start(e, d); /* if its threads could not start, fills read its pieces from the primary */
+    Py_END_ALLOW_THREADS
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     PyBuffer_Release(&b);
     if (err)  /* nothing started, or what was is stopped */
@@ -732,7 +735,8 @@ static PyObject *Engine_renew_drive(EngineObject *self, PyObject *args) {
     PyObject *root;
     if (!PyArg_ParseTuple(args, "iO", &drive, &root))
         return NULL;
-    if (drive < 1 || drive >= self->e.nrep || !self->mounted || !atomic_load(&self->e.drives[drive])) {
+    if (drive < 1 || drive >= self->e.nrep || !self->mounted || self->destroyed ||
+        !atomic_load(&self->e.drives[drive])) {
         PyErr_SetString(PyExc_ValueError, "no such mirror serving");
         return NULL;
     }
@@ -744,7 +748,14 @@ static PyObject *Engine_renew_drive(EngineObject *self, PyObject *args) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
     uint32_t retired = 0;
-    int err = drive_renew(&self->e, drive, s, &retired);
+    int err;
+    /* Without the GIL: a stale job's end may close a descriptor on the hung drive, and the fills'
+     * lock may be held by a thread that calls into Python. */
+    Py_BEGIN_ALLOW_THREADS
+    err = drive_renew(&self->e, drive, s, &retired);
+    if (!err)
+        fill_drive_renew(&self->e, drive); /* if its readers could not start, the primary reads its pieces */
+    Py_END_ALLOW_THREADS
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     if (err) {
         free(s);

@@ -43,7 +43,8 @@ def asked_directly(m, path: Path, **extra: object) -> QuietError:
     """The daemon's own answer to a mirror-add request, past the client's checks."""
     request = {"command": "mirror-add", "path": str(path), "wait": 20, **extra}
     with pytest.raises(QuietError) as e:
-        ask(m.stats()["pid"], request, 30)
+        st = m.stats()
+        ask(st["pid"], st["uid"], request, 30, also=st.get("control_socket"))
     return e.value
 
 

@@ -10,6 +10,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -306,9 +307,9 @@ def test_mirrors_join_a_mount_of_the_primary_alone_while_readers_stream(model, t
         assert held_there(st["pid"], mirror) == []
 
 
-def mirror_offset(mnt: Path, name: str, size: int) -> int:
-    """A 4 KiB block of `name` that the mirror (the mount's only one) serves whole now."""
-    for off in range(64 << 10, size - 8192, 64 << 10):
+def mirror_offset(mnt: Path, name: str, size: int, start: int = 64 << 10) -> int:
+    """A 4 KiB block of `name` from `start` on that the mirror (the mount's only one) serves whole now."""
+    for off in range(start, size - 8192, 64 << 10):
         ends = [json.loads(os.getxattr(mnt / name, f"user.colifs.route.{x}")) for x in (off, off + 4095)]
         if all(e["drive"] == "mirror" for e in ends):
             return off
@@ -365,3 +366,44 @@ def test_a_mirror_put_in_a_hung_removed_ones_place_never_waits_for_it(tmp_path: 
             time.sleep(0.05)
         assert held_there(pid, faulty) == []
         assert daemon_fds_back_to(pid, len(fds0)) == fds0
+
+
+@pytest.mark.daemon_warns(r"no answer")
+def test_a_read_queued_behind_a_hung_call_is_served_once_its_mirror_is_removed(
+    tmp_path: Path, engine: str
+) -> None:
+    """One drive thread, no mirror timeout: a read's open hangs in the mirror's drive (faultfs), and
+    a second read's job queues behind it, waiting with it. The removal ends the queued job (its copy
+    is out): the second read gets its bytes from the primary at once, while the first waits for its
+    call. Before, it waited for as long as the drive hung."""
+    if engine == "pyfuse3":
+        pytest.skip("a drive generation's queue is the native engine's")
+    primary, source = setup_model(tmp_path)
+    control, faulty = tmp_path / "control", tmp_path / "faulty"
+    want = {p.name: p.read_bytes() for p in shards(primary)}
+    flags = ("--weights", "1,1", "--threads-per-drive", "1", "--mirror-timeout", "0")
+    with faulty_mirror(source, faulty, control), mounted(primary, [faulty], tmp_path / "mnt", *flags) as m:
+        name = sorted(want)[0]
+        first = mirror_offset(m.path, name, len(want[name]))
+        second = mirror_offset(m.path, name, len(want[name]), first + (64 << 10))
+        got: dict[int, bytes] = {}
+
+        def read(off: int) -> threading.Thread:
+            t = threading.Thread(target=lambda: got.update({off: read_direct(m.path / name, off, 4096)}))
+            t.start()
+            time.sleep(0.5)
+            return t
+
+        control.write_text("hang-open")
+        try:
+            hung, queued = read(first), read(second)
+            assert hung.is_alive() and queued.is_alive()
+            out = run_colifs("mirror", "remove", str(m.path), str(faulty), "--timeout", "1")
+            assert out.returncode == 6, out
+            queued.join(5)
+            assert not queued.is_alive() and got[second] == want[name][second : second + 4096]
+            assert hung.is_alive()
+        finally:
+            control.write_text("ok")  # the hung open returns
+        hung.join(10)
+        assert got[first] == want[name][first : first + 4096]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -24,7 +25,7 @@ from tests.helpers import (
     run_colifs,
     tensor_spans,
 )
-from tests.mount.test_faults import read_all, stats, through_faultfs
+from tests.mount.test_faults import faulty_mirror, read_all, stats, through_faultfs
 
 pytestmark = pytest.mark.mounts
 
@@ -320,3 +321,58 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] == "Z"
     except (FileNotFoundError, IndexError):
         return True
+
+
+@pytest.mark.daemon_warns(r"no answer", r"timeout", r"back in use")
+def test_a_mirror_put_in_a_hung_removed_ones_place_gets_fill_readers_of_its_own(
+    tmp_path: Path, native_only
+) -> None:
+    """The mirror's drive (faultfs) hangs every read while fills read experts: the fill threads of
+    its drive are stuck in it. Its removal says calls are left there (exit 6); a directory added in
+    its place reads the fills that follow on readers of its own: it takes no timeout, stays up and
+    reads its share; every byte the primary's. Before, the stuck threads were the slot's: the new
+    mirror's pieces queued behind them, and each request waited the mirror timeout and counted it
+    against the new mirror."""
+    primary, source, model = fused_model(tmp_path, 4, 1024)
+    control, faulty, new = tmp_path / "control", tmp_path / "faulty", tmp_path / "new"
+    shutil.copytree(source, new)
+    want = model.read_bytes()
+    experts = [extents_of(model, ExpertKey("blk", L, e)) for L in range(4) for e in range(4)]
+    flags = (*UNTIMED, "--mirror-timeout", "0.5")
+    with faulty_mirror(source, faulty, control), mounted(primary, [faulty], tmp_path / "mnt", *flags) as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        control.write_text("hang")
+        try:
+            with open(via, "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                for spans in experts[:4]:  # 12 pieces each on the mirror: all 8 of its readers stuck
+                    a = spans[1][0] + 5 * PAGE
+                    f.seek(a)
+                    assert f.read(PAGE) == want[a : a + PAGE]
+            out = run_colifs("mirror", "remove", str(m.path), str(faulty), "--timeout", "1")
+            assert out.returncode == 6 and "calls are still inside its drive" in out.stderr, out
+            out = run_colifs("mirror", "add", str(m.path), str(new), "--weight", "1")
+            assert out.returncode == 0, out
+            # The slot was down (the hung drive's timeouts): the directory in it is checked first.
+            wait_for(lambda: m.stats()["replicas"][1]["health"]["state"] == "up")
+            before, fills = m.stats()["replicas"][1], fills_of(m)
+            with open(via, "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                for spans in experts[8:]:
+                    for s, e in spans:
+                        f.seek(s)
+                        assert f.read(e - s) == want[s:e]
+            after = settled(m)
+            assert after["fills_started"] > fills["fills_started"], after  # fills ran: the test holds
+            now = m.stats()["replicas"][1]
+            assert now["path"] == str(new) and now["health"]["state"] == "up", now
+            assert now["health"]["timeouts"] == before["health"]["timeouts"], (before, now)
+            assert after["requests_given_up"] == fills["requests_given_up"], (fills, after)
+            assert now["bytes_served"] > before["bytes_served"] + (4 << 20), (before, now)
+        finally:
+            control.write_text("ok")  # the stuck reads return
+        deadline = time.monotonic() + 10
+        while m.stats()["reload"]["calls_left_behind"]:
+            assert time.monotonic() < deadline, m.stats()["reload"]
+            time.sleep(0.05)
