@@ -503,11 +503,7 @@ class Reloader:
             h = self.health[r.index]
             if h.removed_at is not None and r.index not in self._unfinished:
                 raise UsageError(f"{path} was removed already (colifs mirror add puts it back)")
-            # With the copies dropped as changed while serving (the engine may hold their descriptors),
-            # and those whose change still waits for their file's lock (it may put a copy in force).
-            late = {ino for ino, drive in self._late if drive == r.index}
-            on = r.index
-            held = [i for i, f in self.files.items() if i in late or on in f.copies or on in f.identities]
+            held = self._held_on(r.index)
             t0 = time.monotonic()
             h.remove()
             log.info("mirror %s: removing (%d files served from it)", r.root, len(held))
@@ -536,6 +532,13 @@ class Reloader:
             self._unfinished.discard(r.index)
             log.info("mirror %s: removed in %.2f s; no descriptor left on it", r.root, change["seconds"])
             return change
+
+    def _held_on(self, drive: int) -> list[int]:
+        """The files whose copy on `drive` a removal takes out: those it serves, those dropped as
+        changed while serving (the engine may hold their descriptors), and those whose change still
+        waits for their file's lock (it may put a copy in force)."""
+        late = {ino for ino, d in self._late if d == drive}
+        return [i for i, f in self.files.items() if i in late or drive in f.copies or drive in f.identities]
 
     async def _closed(self, root: str, deadline: float) -> tuple[list[str], int]:
         """Wait until the daemon holds no descriptor under `root` and no thread is inside a call

@@ -745,6 +745,27 @@ static void gen_drain(engine_t *e, drive_t *g) {
     }
 }
 
+static void *drain_main(void *arg) {
+    drive_t *g = arg;
+    gen_drain(g->e, g);
+    return NULL;
+}
+
+/* gen_drain on a thread of its own, one of the generation's (joined or detached with them): ending
+ * a job may close a descriptor on the hung drive, or wait for a file's lock that a slow primary
+ * open holds, and the caller is the daemon's loop. On the caller's thread if none can start. */
+static void gen_drain_aside(drive_t *g) {
+    pthread_t *grown = realloc(g->threads, (size_t)(g->nthreads + 1) * sizeof *grown);
+    if (grown) {
+        g->threads = grown;
+        if (pthread_create(&g->threads[g->nthreads], NULL, drain_main, g) == 0) {
+            g->nthreads++;
+            return;
+        }
+    }
+    gen_drain(g->e, g);
+}
+
 int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired) {
     drive_t *old = atomic_load(&e->drives[d]);
     int err;
@@ -754,7 +775,7 @@ int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired) {
     g->older = old;
     atomic_store(&e->drives[d], g); /* jobs handed out from now on are the new generation's */
     gen_retire(e, old);
-    gen_drain(e, old);
+    gen_drain_aside(old);
     gen_reap(old);
     *retired = old->number;
     return 0;
@@ -1196,6 +1217,16 @@ static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *h
 }
 
 /* A finished mirror job's verdict on its piece (called with the pending's lock held). */
+/* A job whose verdict is not the mirror's: late in a removed mirror's drive (its generation
+ * retired: not held against what serves the slot now), not usable, or failed or changed while a
+ * reload changed the copy. A job not done is read no further than its generation (it still runs). */
+static int stale(const job_t *jb, uint64_t want) {
+    if (!jb->done)
+        return jb->dg && atomic_load(&jb->dg->retired);
+    return !jb->usable || ((jb->changed || jb->got < 0 || (uint64_t)jb->got < want) &&
+                           atomic_load(&jb->f->copy_gen[jb->drive]) != jb->gen);
+}
+
 static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
     const char *what = jb->what;
     char msg[200];
@@ -1205,8 +1236,8 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
         note(nt, EV_NO_FDS, jb->drive, 0, jb->gen, jb->what);
         return;
     }
-    if (!jb->done && jb->dg && atomic_load(&jb->dg->retired)) {
-        pc->status = RES_STALE; /* late in a removed mirror's drive: not held against the slot */
+    if (stale(jb, want)) {
+        pc->status = RES_STALE; /* read from the primary; nothing against the mirror's health */
         return;
     }
     if (!jb->done) {
@@ -1214,10 +1245,6 @@ static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
         snprintf(msg, sizeof msg, "timeout at %llu: no answer within %g s", (unsigned long long)jb->off,
                  e->mirror_timeout);
         what = msg;
-    } else if (!jb->usable || ((jb->changed || jb->got < 0 || (uint64_t)jb->got < want) &&
-                               atomic_load(&jb->f->copy_gen[jb->drive]) != jb->gen)) {
-        pc->status = RES_STALE; /* a reload changed the copy meanwhile: read from the primary */
-        return;
     } else if (jb->changed) {
         pc->status = RES_CHANGED;
     } else if (jb->got < 0) {

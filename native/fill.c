@@ -45,7 +45,8 @@ typedef struct fpiece {
     int state, urgent, done;
     uint64_t asked; /* its pages (bit i: the i-th BLOCK) a request answers: never stored */
     uint32_t unit; /* of the arena: FILL_PIECE bytes */
-    uint32_t rgen; /* while P_READING: the reader generation of its drive that reads it */
+    uint32_t rgen; /* while P_READING: the reader generation that reads it, */
+    int rdrive;    /* of this drive (pc.drive may change as it falls back to the primary) */
     struct fpiece *next; /* in its drive's queue, then in the store queue */
 } fpiece_t;
 
@@ -164,6 +165,8 @@ static fill_t *drop_locked(engine_t *e, fpiece_t *p) {
     return piece_done_locked(e, p);
 }
 
+static void reroute_locked(engine_t *e, int d);
+
 /* A drive reader of a generation no longer in force (fill_drive_renew): it ends. */
 static int retired_locked(const engine_t *e, const fill_worker_t *w) {
     return w->drive >= 0 && w->gen != e->fills.rgen[w->drive];
@@ -172,7 +175,7 @@ static int retired_locked(const engine_t *e, const fill_worker_t *w) {
 /* A piece read by a reader generation no longer in force: one stuck in a removed mirror's drive.
  * Nobody waits for it (the request reads the primary); its bytes go nowhere but the page cache. */
 static int orphaned_locked(const engine_t *e, const fpiece_t *p) {
-    return p->state == P_READING && p->pc.drive > 0 && p->rgen != e->fills.rgen[p->pc.drive];
+    return p->state == P_READING && p->rdrive > 0 && p->rgen != e->fills.rgen[p->rdrive];
 }
 
 /* The next piece for w, or NULL once the fills stop or w's generation is retired. */
@@ -280,6 +283,7 @@ static void *worker_main(void *arg) {
         if (p && d >= 0 && !closing) {
             p->state = P_READING;
             p->rgen = w->gen;
+            p->rdrive = d;
         }
         pthread_mutex_unlock(&e->fills.m);
         if (!p)
@@ -295,7 +299,8 @@ static void *worker_main(void *arg) {
     }
 }
 
-/* One more worker, of the drive's reader generation in force (a reader: counted in readers). */
+/* One more worker, of the drive's reader generation in force (a reader: counted in readers).
+ * Only the Python thread starts, renews and stops workers: rgen cannot move meanwhile. */
 static int start_worker(engine_t *e, int drive) {
     fill_worker_t *w = calloc(1, sizeof *w);
     if (!w)
@@ -304,18 +309,33 @@ static int start_worker(engine_t *e, int drive) {
     w->drive = drive;
     pthread_mutex_lock(&e->fills.m);
     w->gen = drive >= 0 ? e->fills.rgen[drive] : 0;
-    int err = pthread_create(&w->thread, NULL, worker_main, w);
-    if (!err) {
-        w->next = e->fills.workers;
-        e->fills.workers = w;
-        e->fills.nworkers++;
-        if (drive >= 0)
-            e->fills.readers[drive]++;
-    }
     pthread_mutex_unlock(&e->fills.m);
-    if (err)
+    int err = pthread_create(&w->thread, NULL, worker_main, w);
+    if (err) {
         free(w);
-    return err;
+        return err;
+    }
+    pthread_mutex_lock(&e->fills.m);
+    w->next = e->fills.workers;
+    e->fills.workers = w;
+    e->fills.nworkers++;
+    if (drive >= 0)
+        e->fills.readers[drive]++;
+    pthread_mutex_unlock(&e->fills.m);
+    return 0;
+}
+
+/* Readers of retired generations that have ended, joined and forgotten (a stuck one is kept). */
+static void reap_locked(engine_t *e) {
+    for (fill_worker_t **pw = &e->fills.workers, *w; (w = *pw);) {
+        if (retired_locked(e, w) && pthread_tryjoin_np(w->thread, NULL) == 0) {
+            *pw = w->next;
+            e->fills.nworkers--;
+            free(w);
+        } else {
+            pw = &w->next;
+        }
+    }
 }
 
 int fill_drive_start(engine_t *e, int d) {
@@ -335,8 +355,14 @@ int fill_drive_renew(engine_t *e, int d) {
     e->fills.readers[d] = 0; /* until the new ones start, its pieces are the primary's */
     pthread_cond_broadcast(&e->fills.work[d]);
     pthread_cond_broadcast(&e->fills.landed); /* who waits for an orphaned piece stops waiting */
+    reap_locked(e);
     pthread_mutex_unlock(&e->fills.m);
-    return fill_drive_start(e, d);
+    int err = fill_drive_start(e, d);
+    pthread_mutex_lock(&e->fills.m);
+    if (!e->fills.readers[d]) /* none started: what it queues is the primary's */
+        reroute_locked(e, d);
+    pthread_mutex_unlock(&e->fills.m);
+    return err;
 }
 
 int fills_start(engine_t *e) {

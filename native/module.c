@@ -749,8 +749,8 @@ static PyObject *Engine_renew_drive(EngineObject *self, PyObject *args) {
     pthread_sigmask(SIG_BLOCK, &all, &old);
     uint32_t retired = 0;
     int err;
-    /* Without the GIL: a stale job's end may close a descriptor on the hung drive, and the fills'
-     * lock may be held by a thread that calls into Python. */
+    /* Without the GIL: the fills' lock may be held by a thread that calls into Python. (What may
+     * wait on the hung drive, ending the jobs it still queues, runs on a thread of its own.) */
     Py_BEGIN_ALLOW_THREADS
     err = drive_renew(&self->e, drive, s, &retired);
     if (!err)

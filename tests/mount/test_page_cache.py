@@ -376,3 +376,42 @@ def test_a_mirror_put_in_a_hung_removed_ones_place_gets_fill_readers_of_its_own(
         while m.stats()["reload"]["calls_left_behind"]:
             assert time.monotonic() < deadline, m.stats()["reload"]
             time.sleep(0.05)
+
+
+@pytest.mark.daemon_warns(r"no answer", r"timeout")
+def test_a_page_cache_read_waiting_on_a_hung_mirror_is_answered_once_it_is_removed(
+    tmp_path: Path, native_only
+) -> None:
+    """No mirror timeout: a buffered read of an expert's extent waits for its fill's pieces on the
+    mirror, whose drive (faultfs) hangs every read. Removing the mirror orphans those pieces: the
+    read gets the primary's bytes at once. Before, it waited for as long as the drive hung."""
+    primary, source, model = fused_model(tmp_path, 2, 1024)
+    control, faulty = tmp_path / "control", tmp_path / "faulty"
+    want = model.read_bytes()
+    s, e = extents_of(model, ExpertKey("blk", 0, 1))[1]
+    flags = (*UNTIMED, "--mirror-timeout", "0")
+    with faulty_mirror(source, faulty, control), mounted(primary, [faulty], tmp_path / "mnt", *flags) as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        got: list[bytes] = []
+
+        def read() -> None:
+            with open(via, "rb", buffering=0) as f:
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+                f.seek(s)
+                got.append(f.read(e - s))
+
+        control.write_text("hang")
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            time.sleep(1)
+            assert reader.is_alive() and fills_of(m)["fills_started"] >= 1, fills_of(m)
+            out = run_colifs("mirror", "remove", str(m.path), str(faulty), "--timeout", "1")
+            assert out.returncode == 6, out
+            reader.join(5)
+            assert not reader.is_alive()
+            assert got == [want[s:e]]
+        finally:
+            control.write_text("ok")  # the stuck reads return
+            reader.join(10)
