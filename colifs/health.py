@@ -45,6 +45,16 @@ class Health:
         self.removed_at = None
         self.retry_at = self._clock()
 
+    def another_directory(self) -> None:
+        """A new directory takes this removed mirror's slot: the counts were the old mirror's and
+        start again. A slot that was down stays so until a check read of the new one passes (the
+        engine routes nothing there until then)."""
+        self.in_a_row = self.errors = self.timeouts = self.downs = self.checks = 0
+        self.last_error = self.last_error_at = None
+        self._backoff = FIRST_RETRY_S
+        if not self.up:
+            self.down_since = self._clock()
+
     def succeeded(self) -> None:
         if self.up:
             self.in_a_row = 0

@@ -598,6 +598,8 @@ class Reloader:
             if new:
                 index = self._place(root, weight, None if slot is None else slot.index)
                 one_drive([r.root for r in self.replicas])
+                if slot is not None:
+                    self.health[index].another_directory()
             else:  # back: on threads of its own, whatever its removal left in the drive
                 self._behind = [*self._behind, (root, self._retire(index))]
             self.health[index].restore()

@@ -84,3 +84,18 @@ def test_a_removed_mirror_is_never_checked_until_restored() -> None:
     assert not h.due() and h.as_dict()["state"] == "removed" and h.as_dict()["removed_at"]
     h.restore()
     assert h.due() and h.as_dict()["state"] == "down"  # checked at once: it was down when removed
+
+
+def test_a_new_directory_in_a_down_slot_starts_its_own_counts_and_is_checked_first() -> None:
+    clock = Clock()
+    h = Health(clock)
+    for _ in range(FAILURES_TO_DOWN):
+        h.failed("no answer", timeout=True)
+    h.remove()
+    h.another_directory()
+    h.restore()
+    shown = h.as_dict()
+    assert shown["state"] == "down" and h.due()  # checked before anything is routed to it
+    assert (h.timeouts, h.errors, h.downs, h.checks, h.in_a_row, h.last_error) == (0, 0, 0, 0, 0, None)
+    clock.t += 1.5
+    assert h.check_passed() == 1.5 and h.as_dict()["state"] == "up"  # down for the new one's time only
