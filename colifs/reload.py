@@ -511,9 +511,9 @@ class Reloader:
             applied, busy = await self._apply([Verdict(ino, r.index, None, why) for ino in held], wait)
             self._reweigh(None)
             self._changed()
-            # Its copies out: a new generation serves the slot, and the calls of the old one (this
-            # removal's, or a removal's before that left a copy in) are watched until they return.
-            self._behind = [*self._behind, (r.root, self._retire(r.index))]
+            # Its copies out: the calls of the generation it leaves (this removal's, or a removal's
+            # before that left a copy in) are watched until they return.
+            self._renew(r.root, r.index)
             left, calls = await self._closed(r.root, t0 + wait)
             change = {
                 "command": "remove", "path": r.root, "files": len(applied), "busy": len(busy),
@@ -532,6 +532,11 @@ class Reloader:
             self._unfinished.discard(r.index)
             log.info("mirror %s: removed in %.2f s; no descriptor left on it", r.root, change["seconds"])
             return change
+
+    def _renew(self, root: str, drive: int) -> None:
+        """A new generation serves the slot (colifs.native retire_drive); the threads still in a
+        call on the one it retires are watched (stats.json reload.calls_left_behind)."""
+        self._behind = [*self._behind, (root, self._retire(drive))]
 
     def _held_on(self, drive: int) -> list[int]:
         """The files whose copy on `drive` a removal takes out: those it serves, those dropped as
@@ -601,7 +606,7 @@ class Reloader:
                 if slot is not None:
                     self.health[index].another_directory()
             else:  # back: on threads of its own, whatever its removal left in the drive
-                self._behind = [*self._behind, (root, self._retire(index))]
+                self._renew(root, index)
             self.health[index].restore()
             self._unfinished.discard(index)
             applied, busy = await self._apply(proven, wait)

@@ -615,6 +615,15 @@ static void *drive_main(void *arg) {
     }
 }
 
+/* A job of a retired generation, not read: its copy was taken out before the generation retired,
+ * so it is judged stale and its piece read from the primary. */
+static void end_stale(engine_t *e, job_t *j) {
+    j->usable = 0;
+    j->changed = 1;
+    j->got = -1;
+    job_over(e, j);
+}
+
 /* A job into the queue of the generation it was handed out in. If that one was retired since, the
  * job is not read: its copy was taken out before (a removal takes every copy out, then retires), so
  * it is judged stale and its piece read from the primary. */
@@ -624,10 +633,7 @@ static void submit(engine_t *e, job_t *j) {
     pthread_mutex_lock(&g->m);
     if (g->stop) {
         pthread_mutex_unlock(&g->m);
-        j->usable = 0;
-        j->changed = 1;
-        j->got = -1;
-        job_over(e, j);
+        end_stale(e, j);
         return;
     }
     g->queued += j->len;
@@ -736,11 +742,8 @@ static void gen_drain(engine_t *e, drive_t *g) {
     pthread_mutex_unlock(&g->m);
     while (j) {
         job_t *next = j->next;
-        j->usable = 0;
-        j->changed = 1;
-        j->got = -1;
         settle(e, g, j);
-        job_over(e, j);
+        end_stale(e, j);
         j = next;
     }
 }
@@ -1216,7 +1219,6 @@ static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *h
         landed(e, how, pc, i);
 }
 
-/* A finished mirror job's verdict on its piece (called with the pending's lock held). */
 /* A job whose verdict is not the mirror's: late in a removed mirror's drive (its generation
  * retired: not held against what serves the slot now), not usable, or failed or changed while a
  * reload changed the copy. A job not done is read no further than its generation (it still runs). */
@@ -1227,6 +1229,7 @@ static int stale(const job_t *jb, uint64_t want) {
                            atomic_load(&jb->f->copy_gen[jb->drive]) != jb->gen);
 }
 
+/* A finished mirror job's verdict on its piece (called with the pending's lock held). */
 static void judge(engine_t *e, job_t *jb, piece_t *pc, notes_t *nt) {
     const char *what = jb->what;
     char msg[200];

@@ -253,7 +253,7 @@ typedef struct fill_worker {
     int drive;    /* -1: the store thread */
     uint32_t gen; /* fills.rgen[drive] when it started */
     pthread_t thread;
-    struct fill_worker *next; /* fills.workers: freed once joined, at fills_stop */
+    struct fill_worker *next; /* fills.workers: freed once joined (at a renewal, or fills_stop) */
 } fill_worker_t;
 
 /* Counters, read by Python through memoryviews (64-bit aligned: plain loads are atomic). */

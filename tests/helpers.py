@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -145,6 +146,15 @@ def mounted(
             assert out.returncode == 0, out.stderr
         for m in mirrors:
             assert snapshot(m) == before[m], f"mirror {m} changed"
+
+
+def calls_returned(m: Any, within: float = 10.0) -> None:
+    """Wait until no removed mirror's drive has a call of the daemon inside it (stats.json
+    `reload.calls_left_behind` empty); fails past `within` seconds, showing what is left."""
+    deadline = time.monotonic() + within
+    while m.stats()["reload"]["calls_left_behind"]:
+        assert time.monotonic() < deadline, m.stats()["reload"]
+        time.sleep(0.05)
 
 
 def drop_file_cache(path: Path) -> None:

@@ -13,10 +13,8 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -24,24 +22,12 @@ import pytest
 from safetensors.numpy import save_file
 
 from colifs.formats import tensor_at
-from tests.helpers import force_unmount, mounted, run_colifs
+from tests.helpers import mounted, run_colifs
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
 NOBODY = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
 LATE_MS = 500  # the loop may run this late at worst while other users hammer the mount (busy CI)
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory other users can reach (pytest's tmp_path is under a 0700 directory)."""
-    d = Path(tempfile.mkdtemp(prefix="colifs-loop-", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        force_unmount(d / "mnt")
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def big_header_model(base: Path) -> tuple[Path, Path, Path]:

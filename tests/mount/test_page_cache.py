@@ -18,6 +18,7 @@ import pytest
 from colifs.formats.layout import ExpertKey
 from tests.helpers import (
     UNTIMED,
+    calls_returned,
     drop_file_cache,
     extents_of,
     fused_model,
@@ -372,10 +373,7 @@ def test_a_mirror_put_in_a_hung_removed_ones_place_gets_fill_readers_of_its_own(
             assert now["bytes_served"] > before["bytes_served"] + (4 << 20), (before, now)
         finally:
             control.write_text("ok")  # the stuck reads return
-        deadline = time.monotonic() + 10
-        while m.stats()["reload"]["calls_left_behind"]:
-            assert time.monotonic() < deadline, m.stats()["reload"]
-            time.sleep(0.05)
+        calls_returned(m)
 
 
 @pytest.mark.daemon_warns(r"no answer", r"timeout")

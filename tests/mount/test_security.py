@@ -11,7 +11,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,18 +34,6 @@ NO_DAC = [
     "--inh-caps=-dac_override,-dac_read_search",
     "--bounding-set=-dac_override,-dac_read_search",
 ]
-
-
-@pytest.fixture
-def open_dir() -> Iterator[Path]:
-    """A directory other users can reach (pytest's tmp_path is under a 0700 directory)."""
-    d = Path(tempfile.mkdtemp(prefix="colifs-sec-", dir="/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        force_unmount(d / "mnt")
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def as_nobody(*cmd: str) -> subprocess.CompletedProcess:
