@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import COLIFS, force_unmount, is_mounted, mounted, run_colifs
-from tests.mount.test_security import NOBODY, fuse_open_to_all, model_in, nobody_python, open_dir  # noqa: F401
+from tests.mount.test_security import NOBODY, fuse_open_to_all, model_in, nobody_python
 
 RUN_DIR = "/run/colifs"  # root daemons' sockets (colifs.control.RUN_DIR)
 
@@ -162,7 +162,7 @@ def test_a_socket_directory_planted_by_another_user_is_not_used(model, plant: st
     assert not is_mounted(mnt)
 
 
-def test_a_daemon_of_another_user_answers_that_user_and_not_root(open_dir: Path) -> None:  # noqa: F811
+def test_a_daemon_of_another_user_answers_that_user_and_not_root(open_dir: Path) -> None:
     """A daemon run as `nobody`, its socket in its own runtime directory: `nobody` steers it; root
     is told to run as that user (a root client trusts no socket in a directory another user
     controls), and the daemon itself refuses root when asked anyway."""
