@@ -84,6 +84,7 @@ FILLS = (
     "requests_given_up",
     "bytes_failed",
     "requests_run_on",
+    "leads_followed",
 )
 
 # native/engine.h PT_NEVER, PT_AUTO, PT_ALWAYS (colifs.config.MountConfig.passthrough).

@@ -279,7 +279,8 @@ typedef struct {
                                              last errno a store met, [13] requests that gave up on
                                              a fill (a piece failed or was late), [14] bytes of
                                              pieces that failed, [15] requests into an expert that
-                                             started no fill: they ran on from another key's read */
+                                             started no fill: they ran on from another key's read,
+                                             [16] leads a reader went on into: the rest started */
     _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
                                              offered it), [1] page-cache opens passed through, [2]
                                              page-cache opens served (their file was open for served

@@ -1,8 +1,10 @@
 /* Fills: reads ahead of page-cache readers (mmap faults, buffered reads). The kernel asks for such
  * a reader's bytes one or two requests at a time; on a drive whose every read waits its latency
  * that gets the reader a fraction of the drive, and the mirror sits idle. The first request into a
- * routed expert starts a fill: the request's own bytes, then the rest of that expert's extents in
- * the file (an engine reads an expert whole; at most FILL_MAX), less what the page cache already
+ * routed expert starts a fill: the request's own bytes and a lead of FILL_LEAD in its extent (the
+ * kernel's readahead runs into experts nobody reads); once the reader asks RUN_ON_REACH away from
+ * where it began, it streams, and the rest of that expert's extents in the file follow (an engine
+ * reads an expert whole; at most FILL_MAX); all less what the page cache already
  * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
  * FILL_PIECE on the drives the routes give them and queued at once: up to FILL_DEPTH reads in flight
  * per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
@@ -36,6 +38,7 @@
 #define VIEW_PAGES 1024         /* pages looked up in the page cache at a time */
 #define RUN_ON_NS (200ull * 1000000) /* a request this soon after the read it follows may run on from it */
 #define RUN_ON_REACH (512u << 10)     /* the kernel's readahead runs on at most two windows (2 x 256 KiB) */
+#define FILL_LEAD (2u << 20)          /* what a fill for an expert reads past its request at first */
 
 enum { P_QUEUED, P_READING, P_LANDED, P_FAILED };
 
@@ -56,6 +59,9 @@ typedef struct fill {
     int refs, listed;
     size_t n, left; /* pieces; pieces not done */
     uint64_t lo, hi; /* where its pieces lie: [lo, hi) */
+    int32_t key;
+    uint64_t from; /* where its request began */
+    int lead;      /* it reads a lead: once a reader asks RUN_ON_REACH away from `from`, the rest */
     fpiece_t *p;    /* the request's first, then in the order they are read */
     struct fill *next;
 } fill_t;
@@ -510,6 +516,7 @@ typedef struct {
     uint64_t a[2 * FILL_RANGES], b[2 * FILL_RANGES];
     size_t n;
     uint64_t total, cap;
+    int lead;
 } ranges_t;
 
 static void append_range(ranges_t *r, uint64_t a, uint64_t b) {
@@ -592,35 +599,76 @@ static uint64_t run_end(const file_t *f, uint64_t at) {
     return s + 1 < f->nseg ? f->seg_start[s + 1] : f->size;
 }
 
-/* What a fill for a request [off, asked) into key k reads. Any other tensor a reader streams (each
- * request starting where the last one ended): the request's bytes and the next FILL_MAX of the
- * tensor. A routed expert: the request's bytes, then the rest of
- * the extent it is in, the key's extents after it, those before it, and last the part of its own
- * extent before the request (a reader streams forwards); all less what the page cache holds. Of a
- * file also open with O_DIRECT only the extent asked: such an engine reads the expert's weights
- * direct and some of its tensors (scales) through the page cache (Colibri's DIRECT=1). */
-static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, ranges_t *r) {
+/* The extent of key k's extents a[], b[] (n) that holds off, or the first after it: n if none. */
+static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
+    size_t i = 0;
+    while (i < n && b[i] <= off)
+        i++;
+    return i;
+}
+
+/* What a fill for a request [off, asked) into key k reads, all less what the page cache holds and
+ * what other fills read. Any other tensor a reader streams (each request starting where the last
+ * one ended): the request's bytes and the next FILL_MAX of the tensor. A routed expert: the
+ * request's bytes and a lead of FILL_LEAD of its extent (after the request, what is short of it
+ * before), until the reader shows it streams (the kernel's readahead runs past an extent into the
+ * next expert, which nobody may want: two windows at most, so a reader RUN_ON_REACH into an extent
+ * wants it); then the rest of the extent, the key's extents after it, those before it, and last the
+ * part of its own extent before the request (a reader streams forwards, mostly). Of a file also
+ * open with O_DIRECT only the extent asked: such an engine reads the expert's weights direct and
+ * some of its tensors (scales) through the page cache (Colibri's DIRECT=1). */
+static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams,
+                        ranges_t *r) {
     uint64_t a[FILL_RANGES], b[FILL_RANGES];
     uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
     r->n = 0;
     r->total = 0;
+    r->lead = 0;
     r->cap = FILL_MAX + (tail - head);
     add_range(e, f, r, head, tail);
     if (!is_expert(e, k)) {
         view_missing(e, f, tail, align_up_u64(min_u64(run_end(f, asked - 1), tail + FILL_MAX)), r);
         return;
     }
-    size_t n = key_extents(f, k, a, b, FILL_RANGES), first = 0;
-    while (first < n && b[first] <= off)
-        first++;
+    size_t n = key_extents(f, k, a, b, FILL_RANGES), first = extent_of(b, n, off);
     if (first == n)
         return;
+    if (!streams) {
+        uint64_t end = max_u64(tail, min_u64(align_up_u64(b[first]), tail + FILL_LEAD));
+        uint64_t lo = align_down_u64(a[first]), room = FILL_LEAD - (end - tail);
+        view_missing(e, f, tail, end, r);
+        view_missing(e, f, head > lo + room ? head - room : min_u64(lo, head), head, r);
+        r->lead = 1;
+        return;
+    }
     size_t whole = atomic_load(&f->direct_opens) ? 1 : n;
     for (size_t j = 0; j < whole; j++) {
         size_t i = (first + j) % n;
         view_missing(e, f, j ? align_down_u64(a[i]) : tail, align_up_u64(b[i]), r);
     }
     view_missing(e, f, align_down_u64(a[first]), head, r);
+}
+
+/* Whether [a, b) is all in the page cache (a, b: BLOCK multiples, b - a at most RUN_ON_REACH). */
+static int all_cached(file_t *f, uint64_t a, uint64_t b) {
+    unsigned char vec[RUN_ON_REACH / BLOCK];
+    size_t got = view_cached(f, a, b, vec);
+    for (size_t j = 0; j < got; j++)
+        if (!(vec[j] & 1))
+            return 0;
+    return got && got == (b - a) / BLOCK;
+}
+
+/* Whether a reader streams through key k's extent at [off, asked): the RUN_ON_REACH of that extent
+ * before it (or after it: a reader going backwards) is in the page cache, a lead it read through. */
+static int streamed(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked) {
+    uint64_t a[FILL_RANGES], b[FILL_RANGES];
+    size_t n = is_expert(e, k) ? key_extents(f, k, a, b, FILL_RANGES) : 0, i = extent_of(b, n, off);
+    uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
+    if (i == n)
+        return 0;
+    return (head >= a[i] + RUN_ON_REACH && all_cached(f, head - RUN_ON_REACH, head)) ||
+           (tail + RUN_ON_REACH <= b[i] && all_cached(f, tail, tail + RUN_ON_REACH));
 }
 
 /* The pieces of the ranges, on the drives the routes give them (the primary where a drive has no
@@ -665,7 +713,7 @@ static int take_units_locked(engine_t *e, fill_t *fl) {
 }
 
 /* A new fill for a request into key k's extent, listed, its pieces queued; or NULL. */
-static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked) {
+static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams) {
     ranges_t *r = malloc(sizeof *r);
     fill_t *fl = calloc(1, sizeof *fl);
     if (!r || !fl) {
@@ -673,8 +721,8 @@ static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uin
         free(fl);
         return NULL;
     }
-    plan_ranges(e, f, k, off, asked, r);
-    *fl = (fill_t){.e = e, .f = f};
+    plan_ranges(e, f, k, off, asked, streams, r);
+    *fl = (fill_t){.e = e, .f = f, .key = k, .from = align_down_u64(off), .lead = r->lead};
     int ok = r->n && cut(e, fl, r);
     uint64_t bytes = r->total;
     free(r);
@@ -832,8 +880,8 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
 
 /* -- which expert a request is for ----------------------------------------------------------------
  *
- * A fill reads a whole expert, so it must start only for an expert the engine reads, and the kernel
- * asks for more than that. A fault's read-around is centred on the faulting page: for a fault at an
+ * A fill reads a lead of an expert, so it must start only for an expert the engine reads, and the
+ * kernel asks for more than that. A fault's read-around is centred on the faulting page: for a fault at an
  * expert's first byte, half of it lies in the extent before (sent as a request of its own when the
  * kernel splits it: one that ends on the page where the expert begins). And the kernel's readahead
  * runs on past the end of an extent an engine streams, up to two windows into the next one, which
@@ -918,12 +966,23 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
     fill_t *fl = NULL;
     if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
-        fl = start_locked(e, f, it.key, off, asked);
+        fl = start_locked(e, f, it.key, off, asked, streamed(e, f, it.key, off, asked));
     if (fl)
         remember_fill_locked(e, f, fl, it.key, now);
     else
         remember_locked(f, head, tail, it.key, 0, now);
     return fl;
+}
+
+/* A request [off, asked) answered from x, a lead: once it is RUN_ON_REACH away from the lead's
+ * request, the reader streams, and the rest of what a fill for it reads starts. */
+static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
+    if (!x->lead || (asked < x->from + RUN_ON_REACH && off + RUN_ON_REACH > x->from))
+        return;
+    x->lead = 0;
+    fill_t *more = start_locked(e, x->f, x->key, off, asked, 1);
+    if (more)
+        atomic_fetch_add(&e->ctr.fill[16], 1);
 }
 
 int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked) {
@@ -933,8 +992,10 @@ int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t as
     pthread_mutex_lock(&e->fills.m);
     for (fill_t *x = e->fills.list; x; x = x->next) {
         size_t n = x->f == f && x->lo <= off && asked <= x->hi ? covering(x, off, asked, ps) : 0;
-        if (n)
+        if (n) {
+            grow_locked(e, x, off, asked);
             return answer_locked(e, x, req, off, asked, ps, n); /* unlocks */
+        }
     }
     fill_t *fl = fill_for_locked(e, f, off, asked);
     size_t n = fl ? covering(fl, off, asked, ps) : 0;

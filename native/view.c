@@ -6,7 +6,7 @@
  * mount never finds it busy because of them. A view goes once the file's last reader released it
  * (the kernel's RELEASE, a moment after its close), and the clone with the last view; the mount's
  * connection then ends as it would without them. Needs CAP_SYS_ADMIN (open_tree): without it there
- * are no views, and fills read whole experts.
+ * are no views, and fills read leads and whole experts, cached or not.
  *
  * Lock rules (engine.h, views): views.m guards the queue and each file's view_queued; a file's
  * user_opens change under its lock; view_fd, the clone and nviews are the view thread's alone; a

@@ -280,11 +280,6 @@ def run_engine(colibri: Path, env: dict[str, str], cap: int, cg: MemoryCgroup) -
     return {**parse(out.stdout, out.stderr), "engine_cpu_s": cpu}
 
 
-def drive_bytes(rig: Rig) -> list[int]:
-    """Bytes each drive has read since it was made (/sys/block/DEV/stat: sectors read)."""
-    return [int(Path(f"/sys/block/{d}/stat").read_text().split()[2]) * 512 for d in rig.devnames()]
-
-
 def _one_run(
     colibri: Path, rig: Rig, cg: MemoryCgroup, mnt: Path, args: argparse.Namespace, mode: str, config: Config
 ) -> dict:
@@ -292,7 +287,7 @@ def _one_run(
     the bytes each drive read."""
     set_readahead(rig, config.readahead_kb)
     mirror = rig.dirs[1] if config.mirror else None
-    before = drive_bytes(rig)
+    before = rig.bytes_read()
     try:
         r = one_run(
             rig.dirs,
@@ -305,7 +300,7 @@ def _one_run(
     finally:
         for d in rig.dirs:  # the engine's routing history, which the next run would load
             (d / ".coli_usage").unlink(missing_ok=True)
-    fast, slow = (b - a for a, b in zip(before, drive_bytes(rig), strict=True))
+    fast, slow = (b - a for a, b in zip(before, rig.bytes_read(), strict=True))
     return {**r, "fast_gb": fast / 1e9, "slow_gb": slow / 1e9}
 
 

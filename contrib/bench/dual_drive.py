@@ -87,6 +87,10 @@ class Rig:
     def devnames(self) -> list[str]:
         return [os.path.basename(x) for x in self.loops]
 
+    def bytes_read(self) -> list[int]:
+        """Bytes each drive has read since it was made (/sys/block/DEV/stat: sectors read)."""
+        return [int(Path(f"/sys/block/{d}/stat").read_text().split()[2]) * 512 for d in self.devnames()]
+
     def throttle(self, fast_mb: float, slow_mb: float) -> None:
         """The drives' rates from now on (a drive that slows while serving). Drives with latency
         keep the latency their first rate gave them (BDP_KB over it)."""

@@ -107,12 +107,15 @@ def engine_memory(args: argparse.Namespace, mode: str, model: Path) -> int:
 def _one_run(
     py: str, rig: Rig, cg: MemoryCgroup, mnt: Path, args: argparse.Namespace, mode: str, config: Config
 ) -> dict:
-    """One engine run of one configuration, caches dropped, the drive's readahead set."""
+    """One engine run of one configuration, caches dropped, the drive's readahead set; with the
+    bytes the drives read (what a configuration makes them carry for the same tokens)."""
     set_readahead(rig, config.readahead_kb)
     limit = engine_memory(args, mode, rig.dirs[0] / "model.gguf")
-    return one_run(
+    before = rig.bytes_read()
+    r = one_run(
         rig.dirs, mnt, config, cg, limit, lambda root: run_engine(py, root / "model.gguf", args, mode, cg)
     )
+    return {**r, "drives_gb": sum(b - a for a, b in zip(before, rig.bytes_read(), strict=True)) / 1e9}
 
 
 def sequential(rig: Rig, mnt: Path, args: argparse.Namespace) -> None:
@@ -168,7 +171,7 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config]) -> 
     print(f"\nload mode {mode}:")
     print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
           f"{'vs colifs fast only':>20} {'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} "
-          f"{'tokens equal':>13} {'daemon GB':>10} {'CPU s':>6} {'CPU s/GB':>9} "
+          f"{'tokens equal':>13} {'drives GB':>10} {'daemon GB':>10} {'CPU s':>6} {'CPU s/GB':>9} "
           f"{'peak RSS MiB':>13} {'readahead KiB':>14}")  # fmt: skip
     for c in configs:
         vs_alone = "-" if alone is None else f"{median[c.label] / alone:.2f}"
@@ -186,7 +189,7 @@ def _print_row(
         f"{vs_best:>15.2f} {vs_alone:>20} "
         f"{statistics.median(x['prompt_tok_s'] for x in runs):>13.2f} "
         f"{load:>7.2f} {fastest_load / load:>14.2f} {'yes' if same else 'NO':>13}"
-        f" {median_of(runs, 'daemon_gb', '.2f'):>10}"
+        f" {median_of(runs, 'drives_gb', '.2f'):>10} {median_of(runs, 'daemon_gb', '.2f'):>10}"
         f" {median_of(runs, 'daemon_cpu_s', '.1f'):>6}"
         f" {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
         f" {median_of(runs, 'daemon_peak_rss_mib', '.0f'):>13}"
