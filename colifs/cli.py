@@ -98,7 +98,7 @@ def parser() -> argparse.ArgumentParser:
         default=DEFAULT_FILL_MIB,
         metavar="MIB",
         help="native engine: a page-cache reader's (mmap, buffered) first request into a routed expert "
-        "reads 2 MiB of its tensor ahead, and once the reader goes on, the rest of the expert's pages "
+        "reads 1 MiB of its tensor ahead, and once the reader goes on, the rest of the expert's pages "
         "the page cache lacks (up to 16 MiB) from every drive at once, each "
         "piece answering the kernel's request that waits for it or stored into the page cache (so "
         "does a reader streaming through any other tensor); fills run while some drive makes each "

@@ -1000,6 +1000,20 @@ static void count_key(engine_t *e, int32_t k, int d, uint64_t from, uint64_t end
     *last_key = k;
 }
 
+/* The quickest of f's usable drives (measured speed, else weight): where a piece a request waits
+ * for is read soonest (it goes to the head of that drive's queue). */
+int quickest_drive(engine_t *e, file_t *f) {
+    routes_now_t r;
+    uint64_t per[MAX_REPLICAS] = {0};
+    routes_now(e, (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1), &r);
+    pace(e, &r, per);
+    int best = 0;
+    for (int x = 1; x < r.nrep; x++)
+        if ((r.allowed >> x) & 1 && per[x] > per[best])
+            best = x;
+    return best;
+}
+
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable
  * drives (or, primary_only, all on the primary), their last run ending at stop, and count what
  * [off, end) asked of each key. Returns the number of runs: at most runs_bound(). */

@@ -6,8 +6,8 @@
  * where it began, it streams, and the rest of that expert's extents in the file follow (an engine
  * reads an expert whole; at most FILL_MAX); all less what the page cache already
  * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
- * FILL_PIECE on the drives the routes give them and queued at once: up to FILL_DEPTH reads in flight
- * per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
+ * FILL_PIECE on the drives the routes give them (the request's own on the quickest drive: it is
+ * waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
  * it (the one that started the fill, or later ones whose bytes the fill holds), or else is stored
  * into the page cache (FUSE_NOTIFY_STORE): the reader's next fault there finds it, without asking.
  * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
@@ -38,7 +38,7 @@
 #define VIEW_PAGES 1024         /* pages looked up in the page cache at a time */
 #define RUN_ON_NS (200ull * 1000000) /* a request this soon after the read it follows may run on from it */
 #define RUN_ON_REACH (512u << 10)     /* the kernel's readahead runs on at most two windows (2 x 256 KiB) */
-#define FILL_LEAD (2u << 20)          /* what a fill for an expert reads past its request at first */
+#define FILL_LEAD (1u << 20)          /* what a fill for an expert reads past its request at first */
 
 enum { P_QUEUED, P_READING, P_LANDED, P_FAILED };
 
@@ -712,6 +712,25 @@ static int take_units_locked(engine_t *e, fill_t *fl) {
     return 1;
 }
 
+/* The fill's pieces into their drives' queues: the request's own first (it waits for them), on the
+ * quickest drive; the rest behind. */
+static void queue_locked(engine_t *e, fill_t *fl, uint64_t off, uint64_t asked) {
+    uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
+    int quick = quickest_drive(e, fl->f);
+    for (size_t j = 0; j < fl->n; j++) {
+        fpiece_t *p = &fl->p[j];
+        p->urgent = p->pc.start < tail && p->pc.end > head;
+        if (p->urgent && e->fills.readers[quick])
+            p->pc.drive = quick;
+        atomic_fetch_add(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
+        if (!p->urgent)
+            push_locked(e, p, 0);
+    }
+    for (size_t j = fl->n; j-- > 0;) /* backwards: the request's own reach the queues' heads in order */
+        if (fl->p[j].urgent)
+            push_locked(e, &fl->p[j], 1);
+}
+
 /* A new fill for a request into key k's extent, listed, its pieces queued; or NULL. */
 static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams) {
     ranges_t *r = malloc(sizeof *r);
@@ -744,17 +763,7 @@ static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uin
     fl->listed = 1;
     fl->next = e->fills.list;
     e->fills.list = fl;
-    uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
-    for (size_t j = 0; j < fl->n; j++) {
-        fpiece_t *p = &fl->p[j];
-        atomic_fetch_add(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
-        p->urgent = p->pc.start < tail && p->pc.end > head; /* the request's own */
-        if (!p->urgent)
-            push_locked(e, p, 0);
-    }
-    for (size_t j = fl->n; j-- > 0;) /* backwards: the request's own reach the queues' heads in order */
-        if (fl->p[j].urgent)
-            push_locked(e, &fl->p[j], 1);
+    queue_locked(e, fl, off, asked);
     return fl;
 }
 
