@@ -1000,18 +1000,26 @@ static void count_key(engine_t *e, int32_t k, int d, uint64_t from, uint64_t end
     *last_key = k;
 }
 
-/* The quickest of f's usable drives (measured speed, else weight): where a piece a request waits
- * for is read soonest (it goes to the head of that drive's queue). */
+/* The quickest of f's usable drives (measured speed, else weight), if it is clearly quicker than
+ * every other (QUICK_RATIO): where a piece a request waits for is read soonest (it goes to the head
+ * of that drive's queue). -1 when drives are about as quick: then the routes split the request, and
+ * its pieces are read on every drive at once, sooner than on one. */
+#define QUICK_RATIO 2.0
+
 int quickest_drive(engine_t *e, file_t *f) {
     routes_now_t r;
     uint64_t per[MAX_REPLICAS] = {0};
     routes_now(e, (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1), &r);
     pace(e, &r, per);
     int best = 0;
+    uint64_t next = 0;
     for (int x = 1; x < r.nrep; x++)
         if ((r.allowed >> x) & 1 && per[x] > per[best])
             best = x;
-    return best;
+    for (int x = 0; x < r.nrep; x++)
+        if (x != best && (r.allowed >> x) & 1)
+            next = max_u64(next, per[x]);
+    return (double)per[best] >= QUICK_RATIO * (double)next ? best : -1;
 }
 
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable

@@ -406,7 +406,7 @@ void drives_stop(engine_t *e);
 void drives_free(engine_t *e); /* with the engine, once no thread of ours runs */
 void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int cached);
 size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
-int quickest_drive(engine_t *e, file_t *f); /* drives.c: for a piece a request waits for */
+int quickest_drive(engine_t *e, file_t *f); /* drives.c: for a piece a request waits for, or -1 */
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
                  int primary_only, piece_t *runs);
 /* Read the pieces (their dst set): mirrors on their drives' threads, the primary inline, failed

@@ -6,8 +6,8 @@
  * where it began, it streams, and the rest of that expert's extents in the file follow (an engine
  * reads an expert whole; at most FILL_MAX); all less what the page cache already
  * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
- * FILL_PIECE on the drives the routes give them (the request's own on the quickest drive: it is
- * waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
+ * FILL_PIECE on the drives the routes give them (the request's own on a drive clearly the quickest:
+ * it is waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
  * it (the one that started the fill, or later ones whose bytes the fill holds), or else is stored
  * into the page cache (FUSE_NOTIFY_STORE): the reader's next fault there finds it, without asking.
  * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
@@ -713,14 +713,14 @@ static int take_units_locked(engine_t *e, fill_t *fl) {
 }
 
 /* The fill's pieces into their drives' queues: the request's own first (it waits for them), on the
- * quickest drive; the rest behind. */
+ * quickest drive if one is clearly quicker; the rest behind. */
 static void queue_locked(engine_t *e, fill_t *fl, uint64_t off, uint64_t asked) {
     uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
     int quick = quickest_drive(e, fl->f);
     for (size_t j = 0; j < fl->n; j++) {
         fpiece_t *p = &fl->p[j];
         p->urgent = p->pc.start < tail && p->pc.end > head;
-        if (p->urgent && e->fills.readers[quick])
+        if (p->urgent && quick >= 0 && e->fills.readers[quick])
             p->pc.drive = quick;
         atomic_fetch_add(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
         if (!p->urgent)

@@ -149,9 +149,12 @@ def test_a_reader_going_on_past_its_lead_gets_the_whole_expert(tmp_path: Path, n
 
 
 def test_a_reader_answered_from_its_lead_gets_the_whole_expert(tmp_path: Path, native_only) -> None:
-    """The lead's pieces on a slow mirror (5 MB/s, nearly all its bytes routed there): a second
-    request RUN_ON_REACH (512 KiB) into the lead waits for a piece in flight, and that shows the
-    reader streams: the rest of the expert is read then (a lead followed), all the primary's bytes."""
+    """The lead's pieces on a slow mirror (5 MB/s, nearly all its bytes routed there: 1 MiB takes
+    0.2 s): a second request RUN_ON_REACH (512 KiB) into the lead, sent while the lead is read, waits
+    for a piece in flight, and that shows the reader streams: the rest of the expert is read then (a
+    lead followed), all the primary's bytes. The two requests come from two threads: the test drive
+    serves its reads one at a time in the order they come, so the first request's own piece may
+    wait for the whole lead, and a second request sent after it would find the lead stored."""
     primary, source, model = fused_model(tmp_path, 1, 2048)
     want = model.read_bytes()
     spans = extents_of(model, ExpertKey("blk", 0, 1))
@@ -166,9 +169,17 @@ def test_a_reader_answered_from_its_lead_gets_the_whole_expert(tmp_path: Path, n
         control.write_text("slow 5")
         with open(via, "rb", buffering=0) as f:
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            got: dict[int, bytes] = {}
+            readers = []
             for at in (-(-spans[0][0] // PAGE) * PAGE, spans[0][0] + (640 << 10)):
-                f.seek(at)
-                assert f.read(PAGE) == want[at : at + PAGE]
+                readers.append(
+                    threading.Thread(target=lambda at=at: got.update({at: os.pread(f.fileno(), PAGE, at)}))
+                )
+                readers[-1].start()
+                time.sleep(0.02)  # the first request starts the fill; the second comes while its lead is read
+            for t in readers:
+                t.join()
+            assert got == {at: want[at : at + PAGE] for at in got} and len(got) == 2
             fills = settled(m)
             assert fills["leads_followed"] == 1 and fills["fills_started"] == 2, fills
             assert fills["bytes_read"] >= 3 * (4 << 20) - 2 * PAGE, fills
