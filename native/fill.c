@@ -7,7 +7,8 @@
  * reads an expert whole; at most FILL_MAX); all less what the page cache already
  * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
  * FILL_PIECE on the drives the routes give them (the request's own on a drive clearly the quickest:
- * it is waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every drive. Each piece, as it lands, answers the kernel's requests that wait for
+ * it is waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every
+ * drive. Each piece, as it lands, answers the kernel's requests that wait for
  * it (the one that started the fill, or later ones whose bytes the fill holds), or else is stored
  * into the page cache (FUSE_NOTIFY_STORE): the reader's next fault there finds it, without asking.
  * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
