@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Sequence
 
@@ -586,6 +587,8 @@ def cmd_top(args: argparse.Namespace) -> int:
     if not args.interval > 0 or (args.count is not None and args.count < 1):
         raise UsageError("--interval must be positive and --count at least 1")
     read_stats(args.mountpoint)  # one clear line now if it is not a mount
+    # Ctrl-C ends a live view even when it was started with SIGINT ignored (a shell's background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         run(lambda: read_stats(args.mountpoint), args.interval, args.count)
     except KeyboardInterrupt:  # Ctrl-C is how a live view ends, like q

@@ -1000,11 +1000,22 @@ static void count_key(engine_t *e, int32_t k, int d, uint64_t from, uint64_t end
     *last_key = k;
 }
 
+/* What [start, end) of f asked of drive d, key by key (count_key): a fill counts its pieces on
+ * the drives that read them, known only once they are queued. */
+void count_span(engine_t *e, const file_t *f, uint64_t start, uint64_t end, int d, int32_t *last_key) {
+    for (uint32_t i = segment_at(f, start); start < end && i < f->nseg; i++) {
+        uint64_t b = min_u64(end, i + 1 < f->nseg ? f->seg_start[i + 1] : f->size);
+        count_key(e, f->seg_key[i], d, start, b, last_key);
+        start = max_u64(start, b);
+    }
+}
+
+#define QUICK_RATIO 2.0 /* how much quicker than every other drive the quickest must be */
+
 /* The quickest of f's usable drives (measured speed, else weight), if it is clearly quicker than
- * every other (QUICK_RATIO): where a piece a request waits for is read soonest (it goes to the head
- * of that drive's queue). -1 when drives are about as quick: then the routes split the request, and
- * its pieces are read on every drive at once, sooner than on one. */
-#define QUICK_RATIO 2.0
+ * every other (QUICK_RATIO), or the only one: where a piece a request waits for is read soonest (it
+ * goes to the head of that drive's queue). -1 when drives are about as quick: then the routes split
+ * the request, and its pieces are read on every drive at once, sooner than on one. */
 
 int quickest_drive(engine_t *e, file_t *f) {
     routes_now_t r;
@@ -1023,12 +1034,14 @@ int quickest_drive(engine_t *e, file_t *f) {
 }
 
 /* Cut [start, end) into runs of one drive each, by the routes in force for the file's usable
- * drives (or, primary_only, all on the primary), their last run ending at stop, and count what
- * [off, end) asked of each key. Returns the number of runs: at most runs_bound(). */
+ * drives (or, PLAN_PRIMARY, all on the primary), their last run ending at stop, and count what
+ * [off, end) asked of each key (not with PLAN_KEYS_LATER). Returns the number of runs: at most
+ * runs_bound(). */
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
-                 int primary_only, piece_t *runs) {
+                 int how, piece_t *runs) {
     snapper_t s = {runs, 0, 0, 0, 0};
     routes_now_t r;
+    int primary_only = how & PLAN_PRIMARY;
     routes_now(e, primary_only ? 0 : (usable(e, f) >> 1) & (uint32_t)(e->ncols - 1), &r);
     uint32_t i = segment_at(f, start);
     uint64_t pos = start;
@@ -1044,7 +1057,8 @@ size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t 
         uint64_t from = max_u64(pos, off);
         if (requeue && k >= 0)
             d = requeued(e, &r, extra, d, pos, from, piece_end);
-        count_key(e, k, d, from, piece_end, &last_key);
+        if (!(how & PLAN_KEYS_LATER))
+            count_key(e, k, d, from, piece_end, &last_key);
         if (!have || d != drive) {
             snap_feed(&s, pos, d);
             have = 1;
@@ -1545,7 +1559,7 @@ static void reply_valid(fuse_req_t req, const piece_t *pc, size_t n, const char 
 static int read_and_reply(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked,
                           int primary_only, int cached, request_mem_t *mem, piece_t *pc, notes_t *nt) {
     uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
-    size_t n = plan_runs(e, f, start, asked, stop, off, primary_only, pc);
+    size_t n = plan_runs(e, f, start, asked, stop, off, primary_only ? PLAN_PRIMARY : 0, pc);
     for (size_t i = 0; i < n; i++)
         pc[i].dst = mem->buf + (pc[i].start - start);
     /* An O_DIRECT reader waits for this request; a page-cache reader's readahead may not (it

@@ -341,8 +341,8 @@ typedef struct engine {
     pthread_t loop_thread;
     _Atomic int looping;
 
-    /* fill.c. Lock rules: fills.m guards the list, the queues, held, every fill's refs and left,
-     * and every piece's state and claim; a piece's bytes are written only while it is P_READING
+    /* fill.c. Lock rules: fills.m guards the list, the queues, held, every fill's refs, left and
+     * lead, and every piece's state and asked pages; a piece's bytes are written only while it is P_READING
      * (set under the lock) and read only once it is P_LANDED. */
     struct {
         pthread_mutex_t m;
@@ -407,8 +407,10 @@ void drives_free(engine_t *e); /* with the engine, once no thread of ours runs *
 void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int cached);
 size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
 int quickest_drive(engine_t *e, file_t *f); /* drives.c: for a piece a request waits for, or -1 */
+enum { PLAN_PRIMARY = 1, PLAN_KEYS_LATER = 2 }; /* plan_runs' how: all on the primary; count no key */
 size_t plan_runs(engine_t *e, file_t *f, uint64_t start, uint64_t end, uint64_t stop, uint64_t off,
-                 int primary_only, piece_t *runs);
+                 int how, piece_t *runs);
+void count_span(engine_t *e, const file_t *f, uint64_t start, uint64_t end, int d, int32_t *last_key);
 /* Read the pieces (their dst set): mirrors on their drives' threads, the primary inline, failed
  * mirror pieces again from the primary (in place); timed-out ones too with how->reread_timeouts,
  * else they are left RES_TIMEOUT (their memory is the late jobs'). 0, or the errno the caller

@@ -15,7 +15,7 @@
  * embedding table is read a few rows at a time.
  *
  * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every fill's
- * refs and left, and every piece's state and claim. A piece's bytes are written by its drive thread
+ * refs, left and lead, and every piece's state and asked pages. A piece's bytes are written by its drive thread
  * while it is P_READING and read (by a reply or a store) only once it is P_LANDED. Stores run on a
  * thread of their own: a store waits for the page locks of a kernel request in flight over the
  * same pages, and a request's answer waits only for drive threads, which never store. A fill's
@@ -63,7 +63,7 @@ typedef struct fill {
     int32_t key;
     uint64_t from; /* where its request began */
     int lead;      /* it reads a lead: once a reader asks RUN_ON_REACH away from `from`, the rest */
-    fpiece_t *p;    /* the request's first, then in the order they are read */
+    fpiece_t *p;    /* in file order, range by range (plan_ranges) */
     struct fill *next;
 } fill_t;
 
@@ -685,7 +685,7 @@ static int cut(engine_t *e, fill_t *fl, const ranges_t *r) {
         return 0;
     }
     for (size_t i = 0; i < r->n; i++) {
-        size_t nr = plan_runs(e, fl->f, r->a[i], r->b[i], r->b[i], r->a[i], 0, runs);
+        size_t nr = plan_runs(e, fl->f, r->a[i], r->b[i], r->b[i], r->a[i], PLAN_KEYS_LATER, runs);
         for (size_t j = 0; j < nr; j++) {
             int d = e->fills.readers[runs[j].drive] ? runs[j].drive : 0;
             for (uint64_t x = runs[j].start; x < runs[j].end;) {
@@ -713,16 +713,29 @@ static int take_units_locked(engine_t *e, fill_t *fl) {
     return 1;
 }
 
+/* Where f's first tensor begins: the header before it is the primary's, whatever reads it. */
+static uint64_t first_tensor(const file_t *f) {
+    uint32_t i = 0;
+    while (i < f->nseg && f->seg_key[i] < 0)
+        i++;
+    return i < f->nseg ? f->seg_start[i] : f->size;
+}
+
 /* The fill's pieces into their drives' queues: the request's own first (it waits for them), on the
- * quickest drive if one is clearly quicker; the rest behind. */
+ * quickest drive if one is clearly quicker; the rest behind. Each piece counted for its keys on the
+ * drive that reads it. */
 static void queue_locked(engine_t *e, fill_t *fl, uint64_t off, uint64_t asked) {
-    uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
-    int quick = quickest_drive(e, fl->f);
+    uint64_t head = align_down_u64(off), tail = align_up_u64(asked), data = first_tensor(fl->f);
+    int quick = -2; /* not asked yet */
+    int32_t last_key = -1;
     for (size_t j = 0; j < fl->n; j++) {
         fpiece_t *p = &fl->p[j];
         p->urgent = p->pc.start < tail && p->pc.end > head;
-        if (p->urgent && quick >= 0 && e->fills.readers[quick])
+        if (p->urgent && quick == -2)
+            quick = quickest_drive(e, fl->f);
+        if (p->urgent && quick >= 0 && e->fills.readers[quick] && p->pc.start >= data)
             p->pc.drive = quick;
+        count_span(e, fl->f, p->pc.start, p->pc.end, p->pc.drive, &last_key);
         atomic_fetch_add(&e->queued[p->pc.drive], p->pc.end - p->pc.start);
         if (!p->urgent)
             push_locked(e, p, 0);
@@ -732,8 +745,10 @@ static void queue_locked(engine_t *e, fill_t *fl, uint64_t off, uint64_t asked) 
             push_locked(e, &fl->p[j], 1);
 }
 
-/* A new fill for a request into key k's extent, listed, its pieces queued; or NULL. */
-static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams) {
+/* A new fill for a request into key k's extent, listed, its pieces queued; or NULL (*spent, if
+ * given: set when the arena had too few units for it). */
+static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams,
+                            int *spent) {
     ranges_t *r = malloc(sizeof *r);
     fill_t *fl = calloc(1, sizeof *fl);
     if (!r || !fl) {
@@ -748,6 +763,8 @@ static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uin
     free(r);
     if (ok && !take_units_locked(e, fl)) {
         atomic_fetch_add(&e->ctr.fill[6], 1);
+        if (spent)
+            *spent = 1;
         ok = 0;
     }
     if (!ok || file_open(e, f) != 0) { /* the request's own open holds it: nothing is opened */
@@ -770,14 +787,22 @@ static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uin
 
 /* -- answering a request from a fill --------------------------------------------------------------- */
 
-/* The fill's pieces over [off, asked), in file order, if they cover it all; their count, or 0. */
-static size_t covering(fill_t *fl, uint64_t off, uint64_t asked, fpiece_t **out) {
+/* The piece of a listed fill of f that holds byte `at`, or NULL (listed fills' pieces never overlap:
+ * add_range). */
+static fpiece_t *piece_at_locked(engine_t *e, const file_t *f, uint64_t at) {
+    for (fill_t *x = e->fills.list; x; x = x->next)
+        for (size_t i = 0; x->f == f && x->lo <= at && at < x->hi && i < x->n; i++)
+            if (x->p[i].pc.start <= at && at < x->p[i].pc.end)
+                return &x->p[i];
+    return NULL;
+}
+
+/* The pieces of f's listed fills over [off, asked), in file order, if they cover it all (a request
+ * may span two fills: a lead and the fill it grew into, two experts' leads); their count, or 0. */
+static size_t covering_locked(engine_t *e, const file_t *f, uint64_t off, uint64_t asked, fpiece_t **out) {
     size_t n = 0;
     for (uint64_t at = off; at < asked;) {
-        fpiece_t *hit = NULL;
-        for (size_t i = 0; i < fl->n && !hit; i++)
-            if (fl->p[i].pc.start <= at && at < fl->p[i].pc.end)
-                hit = &fl->p[i];
+        fpiece_t *hit = piece_at_locked(e, f, at);
         if (!hit || n == MAX_IOV)
             return 0;
         out[n++] = hit;
@@ -856,11 +881,12 @@ static void late_locked(engine_t *e, fpiece_t **ps, size_t n, notes_t *nt) {
     }
 }
 
-/* Called with the lock held; releases it. 1: answered; -1: a piece failed or is late. */
-static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, uint64_t asked,
-                         fpiece_t **ps, size_t n) {
-    fl->refs++;
+/* Called with the lock held; releases it. 1: answered; -1: a piece failed or is late. The request
+ * holds a reference to each piece's fill while it waits and replies. */
+static int answer_locked(engine_t *e, file_t *f, fuse_req_t req, uint64_t off, uint64_t asked, fpiece_t **ps,
+                         size_t n) {
     for (size_t i = 0; i < n; i++) {
+        ps[i]->fl->refs++;
         ps[i]->asked |= pages_in(ps[i], off, asked);
         if (ps[i]->state == P_QUEUED)
             hurry_locked(e, ps[i]);
@@ -880,11 +906,16 @@ static int answer_locked(engine_t *e, fill_t *fl, fuse_req_t req, uint64_t off, 
         atomic_fetch_add(&e->ctr.fill[3], (uint64_t)waited);
         atomic_fetch_add(&e->ctr.fill[4], asked - off);
     }
-    send_notes(e, fl->f, &nt); /* the request's reference holds the fill */
+    send_notes(e, f, &nt);
+    fill_t *gone[MAX_IOV];
+    size_t ngone = 0;
     pthread_mutex_lock(&e->fills.m);
-    fill_t *gone = unref_locked(e, fl);
+    for (size_t i = 0; i < n; i++) /* a fill's last reference is its last piece's here */
+        if ((gone[ngone] = unref_locked(e, ps[i]->fl)))
+            ngone++;
     pthread_mutex_unlock(&e->fills.m);
-    fill_free(e, gone);
+    for (size_t i = 0; i < ngone; i++)
+        fill_free(e, gone[i]);
     return st < 0 ? -1 : st;
 }
 
@@ -975,8 +1006,12 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     }
     int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
     fill_t *fl = NULL;
-    if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked))
-        fl = start_locked(e, f, it.key, off, asked, streamed(e, f, it.key, off, asked));
+    if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked)) {
+        int streams = streamed(e, f, it.key, off, asked); /* past a lead the page cache holds */
+        fl = start_locked(e, f, it.key, off, asked, streams, NULL);
+        if (fl && streams)
+            atomic_fetch_add(&e->ctr.fill[16], 1);
+    }
     if (fl)
         remember_fill_locked(e, f, fl, it.key, now);
     else
@@ -984,14 +1019,18 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     return fl;
 }
 
-/* A request [off, asked) answered from x, a lead: once it is RUN_ON_REACH away from the lead's
- * request, the reader streams, and the rest of what a fill for it reads starts. */
+/* A request [off, asked) answered from x, a lead: once it begins RUN_ON_REACH away from the lead's
+ * request (the kernel's readahead, running on from the expert before, reaches no farther), the
+ * reader streams, and the rest of what a fill for it reads starts. A lead the arena had no room to
+ * follow stays one: a later request tries again. */
 static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
-    if (!x->lead || (asked < x->from + RUN_ON_REACH && off + RUN_ON_REACH > x->from))
+    if (!x->lead || atomic_load(&e->fills.paused) ||
+        (off < x->from + RUN_ON_REACH && asked + RUN_ON_REACH > x->from))
         return;
-    x->lead = 0;
-    fill_t *more = start_locked(e, x->f, x->key, off, asked, 1);
-    if (more)
+    int spent = 0;
+    start_locked(e, x->f, x->key, off, asked, 1, &spent); /* listed: it answers from now on */
+    x->lead = spent;
+    if (!spent)
         atomic_fetch_add(&e->ctr.fill[16], 1);
 }
 
@@ -1000,17 +1039,16 @@ int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t as
         return 0;
     fpiece_t *ps[MAX_IOV];
     pthread_mutex_lock(&e->fills.m);
-    for (fill_t *x = e->fills.list; x; x = x->next) {
-        size_t n = x->f == f && x->lo <= off && asked <= x->hi ? covering(x, off, asked, ps) : 0;
-        if (n) {
-            grow_locked(e, x, off, asked);
-            return answer_locked(e, x, req, off, asked, ps, n); /* unlocks */
-        }
+    size_t n = covering_locked(e, f, off, asked, ps);
+    if (n) {
+        for (size_t i = 0; i < n; i++)
+            if (!i || ps[i]->fl != ps[i - 1]->fl)
+                grow_locked(e, ps[i]->fl, off, asked);
+        return answer_locked(e, f, req, off, asked, ps, n); /* unlocks */
     }
-    fill_t *fl = fill_for_locked(e, f, off, asked);
-    size_t n = fl ? covering(fl, off, asked, ps) : 0;
+    n = fill_for_locked(e, f, off, asked) ? covering_locked(e, f, off, asked, ps) : 0;
     if (n)
-        return answer_locked(e, fl, req, off, asked, ps, n); /* unlocks */
+        return answer_locked(e, f, req, off, asked, ps, n); /* unlocks */
     pthread_mutex_unlock(&e->fills.m);
     return 0;
 }

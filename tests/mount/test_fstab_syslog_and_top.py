@@ -165,8 +165,11 @@ def test_top_on_a_live_mount_and_q_quits(model) -> None:
             proc.kill()
             os.close(master)
         assert b"\x1b[H\x1b[2J" in seen
-        ctrl_c = subprocess.Popen(
-            [*COLIFS, "top", str(m.path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        ctrl_c = subprocess.Popen(  # started as a shell's background job is: SIGINT ignored
+            [*COLIFS, "top", str(m.path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
         )
         assert ctrl_c.stdout is not None
         try:

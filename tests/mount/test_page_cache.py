@@ -11,6 +11,8 @@ import shutil
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -155,38 +157,74 @@ def test_a_reader_answered_from_its_lead_gets_the_whole_expert(tmp_path: Path, n
     lead followed), all the primary's bytes. The two requests come from two threads: the test drive
     serves its reads one at a time in the order they come, so the first request's own piece may
     wait for the whole lead, and a second request sent after it would find the lead stored."""
-    primary, source, model = fused_model(tmp_path, 1, 2048)
-    want = model.read_bytes()
-    spans = extents_of(model, ExpertKey("blk", 0, 1))
-    control = tmp_path / "control"
+    fused = fused_model(tmp_path, 1, 2048)
+    want = fused[2].read_bytes()
+    spans = extents_of(fused[2], ExpertKey("blk", 0, 1))
     slow = ("--weights", "1,99", "--probe-seconds", "0")
     with (
-        faulty_mirror(source, tmp_path / "faulty", control),
-        mounted(primary, [tmp_path / "faulty"], tmp_path / "mnt", *slow) as m,
+        faulty_fused(tmp_path, fused, slow, "slow 5") as (m, via, control),
+        open(via, "rb", buffering=0) as f,
     ):
-        via = m.path / model.name
-        drop_file_cache(via)
-        control.write_text("slow 5")
-        with open(via, "rb", buffering=0) as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
-            got: dict[int, bytes] = {}
-            readers = []
-            for at in (-(-spans[0][0] // PAGE) * PAGE, spans[0][0] + (640 << 10)):
-                readers.append(
-                    threading.Thread(target=lambda at=at: got.update({at: os.pread(f.fileno(), PAGE, at)}))
-                )
-                readers[-1].start()
-                time.sleep(0.02)  # the first request starts the fill; the second comes while its lead is read
-            for t in readers:
-                t.join()
-            assert got == {at: want[at : at + PAGE] for at in got} and len(got) == 2
-            fills = settled(m)
-            assert fills["leads_followed"] == 1 and fills["fills_started"] == 2, fills
-            assert fills["bytes_read"] >= 3 * (4 << 20) - 2 * PAGE, fills
-            control.write_text("ok")
-            for s, e in spans:
-                f.seek(s)
-                assert f.read(e - s) == want[s:e]
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+        got: dict[int, bytes] = {}
+        readers = []
+        for at in (-(-spans[0][0] // PAGE) * PAGE, spans[0][0] + (640 << 10)):
+            readers.append(
+                threading.Thread(target=lambda at=at: got.update({at: os.pread(f.fileno(), PAGE, at)}))
+            )
+            readers[-1].start()
+            time.sleep(0.02)  # the first request starts the fill; the second comes while its lead is read
+        for t in readers:
+            t.join()
+        assert got == {at: want[at : at + PAGE] for at in got} and len(got) == 2
+        fills = settled(m)
+        assert fills["leads_followed"] == 1 and fills["fills_started"] == 2, fills
+        assert fills["bytes_read"] >= 3 * (4 << 20) - 2 * PAGE, fills
+        control.write_text("ok")
+        for s, e in spans:
+            f.seek(s)
+            assert f.read(e - s) == want[s:e]
+
+
+@pytest.mark.parametrize("weights", ["3,1", "1,1"])
+def test_a_request_waits_only_for_a_clearly_quicker_drive(tmp_path: Path, native_only, weights) -> None:
+    """A page of each expert extent read while the mirror hangs every read. A primary
+    clearly quicker than the mirror (3,1, by the weights: nothing timed) reads each request's own
+    piece: every read is answered, though a quarter of the stripes are routed to the mirror. At par
+    (1,1) the routes split a request over both drives, so some request waits for the mirror's piece,
+    until the mirror answers. The bytes are always the primary's."""
+    fused = fused_model(tmp_path, 2, 1024)
+    want = fused[2].read_bytes()
+    # a page 256 KiB into each extent: no request ends where another expert's extent begins (that
+    # one would run on from it, and start no fill)
+    firsts = [-(-s // PAGE) * PAGE + (256 << 10) for k in range(4) for layer in range(2)
+              for s, _ in extents_of(fused[2], ExpertKey("blk", layer, k))]  # fmt: skip
+    flags = ("--weights", weights, "--probe-seconds", "0", "--mirror-timeout", "60")
+    with (
+        faulty_fused(tmp_path, fused, flags, "hang") as (m, via, control),
+        open(via, "rb", buffering=0) as f,
+    ):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # each request the page read
+        got: dict[int, bytes] = {}
+        readers = [
+            threading.Thread(target=lambda at=at: got.update({at: os.pread(f.fileno(), PAGE, at)}))
+            for at in firsts
+        ]
+        for t in readers:
+            t.start()
+        deadline = time.monotonic() + 10
+        for t in readers:
+            t.join(max(0.0, deadline - time.monotonic()))
+        waiting = sum(t.is_alive() for t in readers)
+        control.write_text("ok")
+        for t in readers:
+            t.join()
+        assert got == {at: want[at : at + PAGE] for at in firsts}
+        assert fills_of(m)["fills_started"] == len(firsts), fills_of(m)
+        if weights == "3,1":
+            assert waiting == 0
+        else:
+            assert waiting > 0
 
 
 def test_fills_start_only_for_the_experts_a_reader_reads(fused, tmp_path: Path, native_only) -> None:
@@ -331,6 +369,22 @@ def test_a_mirror_failing_mid_fill_is_read_from_the_primary(tmp_path: Path, nati
                 )
             control.write_text("ok")
         read_all(mnt, primary)
+
+
+@contextmanager
+def faulty_fused(tmp_path: Path, fused: tuple[Path, ...], flags: tuple[str, ...], mode: str) -> Iterator:
+    """A fused model mounted with its mirror served by faultfs, the file's cache dropped, then the
+    mirror set to `mode`: (the mount, the file through it, faultfs' control file)."""
+    primary, source, model = fused
+    control = tmp_path / "control"
+    with (
+        faulty_mirror(source, tmp_path / "faulty", control),
+        mounted(primary, [tmp_path / "faulty"], tmp_path / "mnt", *flags) as m,
+    ):
+        via = m.path / model.name
+        drop_file_cache(via)
+        control.write_text(mode)
+        yield m, via, control
 
 
 def wait_for(what, deadline_s: float = 10) -> None:
