@@ -85,10 +85,11 @@ typedef struct {
 } child_t;
 
 /* fill.c: bytes [lo, hi) read at `t` (mono_ns), of key `key`; or, from > 0, a run-on from that key's read,
- * begun at `from`. */
+ * begun at `from`; by a reader that streamed across `hops` boundaries between experts to get there. */
 typedef struct {
     uint64_t lo, hi, t, from;
     int32_t key;
+    uint32_t hops;
 } recent_t;
 
 typedef struct {

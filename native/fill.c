@@ -63,7 +63,8 @@ typedef struct fill {
     int32_t key;
     uint64_t from; /* where its request began */
     int lead;      /* it reads a lead: once a reader asks RUN_ON_REACH away from `from`, the rest */
-    fpiece_t *p;    /* in file order, range by range (plan_ranges) */
+    size_t retry;  /* a lead the arena had no room to follow: tried again once it has this many free */
+    fpiece_t *p;    /* range by range, in plan_ranges' order */
     struct fill *next;
 } fill_t;
 
@@ -930,26 +931,45 @@ static int answer_locked(engine_t *e, file_t *f, fuse_req_t req, uint64_t off, u
  * page after it; but one that starts where a read of another key lately ended runs on from that
  * read, until it is RUN_ON_REACH past where the run-on began (then the engine reads on: it wants
  * this key too). Requests that start no fill are remembered under the key they run on from, so a
- * run-on is followed window by window. */
+ * run-on is followed window by window. A reader that streams on across STREAM_HOPS boundaries
+ * between experts (a load reading the file through) wants each next key from its first byte: no
+ * run-on (at worst a lead of an expert nobody reads, where an engine's readahead runs on past
+ * three experts it read back to back). */
+
+#define STREAM_HOPS 3
 
 typedef struct {
     int32_t key;    /* the key the request is for (-1: plain bytes, a header) */
     int run_on;     /* it runs on from a read of `origin`, begun at `from`: for no key */
     int32_t origin;
     uint64_t from;
+    uint32_t hops; /* the boundaries between experts the reader crossed streaming up to it */
 } intent_t;
 
 static int32_t key_at(const file_t *f, uint64_t off) { return f->seg_key[segment_at(f, off)]; }
 
 
-/* A read of f lately, of a key other than k, that ends where off begins, or NULL. */
+/* The latest read of f lately, of a key other than k, that ends where off begins, or NULL. */
 static const recent_t *read_before_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
+    const recent_t *latest = NULL;
     for (size_t i = 0; i < FILL_RECENT; i++) {
         const recent_t *r = &f->recent[i];
-        if (r->t && now - r->t < RUN_ON_NS && r->key != k && r->lo < off && off <= r->hi)
-            return r;
+        if (r->t && now - r->t < RUN_ON_NS && r->key != k && r->lo < off && off <= r->hi &&
+            (!latest || r->t > latest->t))
+            latest = r;
     }
-    return NULL;
+    return latest;
+}
+
+/* The boundaries crossed by the stream that a read of key k lately, ending at or past off, belongs to. */
+static uint32_t hops_within_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
+    uint32_t hops = 0;
+    for (size_t i = 0; i < FILL_RECENT; i++) {
+        const recent_t *r = &f->recent[i];
+        if (r->t && now - r->t < RUN_ON_NS && r->key == k && r->lo < off && off <= r->hi)
+            hops = r->hops > hops ? r->hops : hops;
+    }
+    return hops;
 }
 
 /* The key a request [off, asked) (BLOCK multiples) is for. */
@@ -961,15 +981,21 @@ static intent_t intent_locked(const engine_t *e, const file_t *f, uint64_t off, 
             k = next;
     }
     const recent_t *r = read_before_locked(f, off, k, now);
-    if (!r || (r->from && off - r->from >= RUN_ON_REACH))
-        return (intent_t){.key = k};
-    return (intent_t){.key = -1, .run_on = 1, .origin = r->key, .from = r->from ? r->from : off};
+    if (!r)
+        return (intent_t){.key = k, .hops = hops_within_locked(f, off, k, now)};
+    /* A boundary between two experts counts (a run-on counted its own where it began); one
+     * between other tensors, which an engine reads whole, in order, at every step, does not. */
+    uint32_t hops = r->hops + (!r->from && is_expert(e, r->key) && is_expert(e, k));
+    if ((r->from && off - r->from >= RUN_ON_REACH) || hops >= STREAM_HOPS)
+        return (intent_t){.key = k, .hops = hops};
+    return (intent_t){.key = -1, .run_on = 1, .origin = r->key, .from = r->from ? r->from : off, .hops = hops};
 }
 
 /* A read [a, b) just now, remembered (whole pages: the kernel asks for no less). */
-static void remember_locked(file_t *f, uint64_t a, uint64_t b, int32_t k, uint64_t from, uint64_t now) {
-    f->recent[f->nrecent++ % FILL_RECENT] =
-        (recent_t){.lo = align_down_u64(a), .hi = align_up_u64(b), .t = now, .key = k, .from = from};
+static void remember_locked(file_t *f, uint64_t a, uint64_t b, const intent_t *it, uint64_t now) {
+    f->recent[f->nrecent++ % FILL_RECENT] = (recent_t){
+        .lo = align_down_u64(a), .hi = align_up_u64(b), .t = now, .key = it->run_on ? it->origin : it->key,
+        .from = it->run_on ? it->from : 0, .hops = it->hops};
 }
 
 /* Whether a read of key k lately ended where off begins: a reader streams through that tensor. */
@@ -983,14 +1009,15 @@ static int streams_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now
 }
 
 /* What a fill reads, remembered: a routed expert's extents, whole (what it finds cached too), or the
- * stretch of a tensor it reads. */
-static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, int32_t k, uint64_t now) {
+ * stretch of a tensor it reads. Each extent carries the reader's stream on (its hops): the reader
+ * passes through the ones the fill stores without a request to tell. */
+static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, const intent_t *it, uint64_t now) {
     uint64_t a[FILL_RANGES], b[FILL_RANGES];
-    size_t n = is_expert(e, k) ? key_extents(f, k, a, b, FILL_RANGES) : 0;
+    size_t n = is_expert(e, it->key) ? key_extents(f, it->key, a, b, FILL_RANGES) : 0;
     for (size_t i = 0; i < n && i < FILL_RECENT / 2; i++)
-        remember_locked(f, a[i], b[i], k, 0, now);
+        remember_locked(f, a[i], b[i], it, now);
     if (!n)
-        remember_locked(f, fl->lo, fl->hi, k, 0, now);
+        remember_locked(f, fl->lo, fl->hi, it, now);
 }
 
 /* A new fill for the request [off, asked), or NULL: it runs on from another key's read, it is no
@@ -1001,7 +1028,7 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     intent_t it = intent_locked(e, f, head, tail, now);
     if (it.run_on) {
         atomic_fetch_add(&e->ctr.fill[15], 1);
-        remember_locked(f, head, tail, it.origin, it.from, now);
+        remember_locked(f, head, tail, &it, now);
         return NULL;
     }
     int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
@@ -1013,23 +1040,24 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
             atomic_fetch_add(&e->ctr.fill[16], 1);
     }
     if (fl)
-        remember_fill_locked(e, f, fl, it.key, now);
+        remember_fill_locked(e, f, fl, &it, now);
     else
-        remember_locked(f, head, tail, it.key, 0, now);
+        remember_locked(f, head, tail, &it, now);
     return fl;
 }
 
 /* A request [off, asked) answered from x, a lead: once it begins RUN_ON_REACH away from the lead's
  * request (the kernel's readahead, running on from the expert before, reaches no farther), the
  * reader streams, and the rest of what a fill for it reads starts. A lead the arena had no room to
- * follow stays one: a later request tries again. */
+ * follow stays one: a later request tries again, once units came back. */
 static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
-    if (!x->lead || atomic_load(&e->fills.paused) ||
+    if (!x->lead || atomic_load(&e->fills.paused) || e->fills.nfree < x->retry ||
         (off < x->from + RUN_ON_REACH && asked + RUN_ON_REACH > x->from))
         return;
     int spent = 0;
     start_locked(e, x->f, x->key, off, asked, 1, &spent); /* listed: it answers from now on */
     x->lead = spent;
+    x->retry = e->fills.nfree + 1;
     if (!spent)
         atomic_fetch_add(&e->ctr.fill[16], 1);
 }

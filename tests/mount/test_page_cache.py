@@ -266,6 +266,34 @@ def test_fills_start_only_for_the_experts_a_reader_reads(fused, tmp_path: Path, 
             assert served(m) - before == 0, served(m) - before  # the lead
 
 
+def test_a_reader_streaming_through_the_file_gets_each_next_expert_from_its_first_byte(
+    fused, tmp_path: Path, native_only
+) -> None:
+    """The whole file read in order, 128 KiB at a time (a load; POSIX_FADV_RANDOM: each request the
+    pages read): the requests into the next expert run on from the one before (the kernel's
+    readahead past an expert does that) at no more than the first three boundaries between experts
+    of each layer (24 here in all; the tensors between the layers' experts are read whole); from
+    then on the reader streams through the file, and each expert's fill starts at its first request."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    boundaries = len(
+        {s for k in range(4) for layer in range(2) for s, _ in extents_of(model, ExpertKey("blk", layer, k))}
+    )
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        with open(via, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            got = bytearray()
+            while chunk := f.read(128 << 10):
+                got += chunk
+        assert got == want
+        fills = settled(m)
+        window = (512 << 10) // (128 << 10)  # RUN_ON_REACH in requests
+        assert boundaries == 24 and fills["requests_run_on"] <= 2 * 3 * window, fills
+        assert fills["fills_started"] >= 2 * 4, fills
+
+
 def test_a_reader_streaming_through_another_tensor_gets_a_fill(fused, tmp_path: Path, native_only) -> None:
     """A tensor that is no routed expert (an attention weight), read page by page from its start
     (POSIX_FADV_RANDOM: each request the page read): the first request starts no fill (an embedding
