@@ -1016,7 +1016,6 @@ void count_span(engine_t *e, const file_t *f, uint64_t start, uint64_t end, int 
  * every other (QUICK_RATIO), or the only one: where a piece a request waits for is read soonest (it
  * goes to the head of that drive's queue). -1 when drives are about as quick: then the routes split
  * the request, and its pieces are read on every drive at once, sooner than on one. */
-
 int quickest_drive(engine_t *e, file_t *f) {
     routes_now_t r;
     uint64_t per[MAX_REPLICAS] = {0};

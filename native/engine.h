@@ -342,9 +342,9 @@ typedef struct engine {
     pthread_t loop_thread;
     _Atomic int looping;
 
-    /* fill.c. Lock rules: fills.m guards the list, the queues, held, every fill's refs, left and
-     * lead, and every piece's state and asked pages; a piece's bytes are written only while it is P_READING
-     * (set under the lock) and read only once it is P_LANDED. */
+    /* fill.c. Lock rules: fills.m guards the list, the queues, held, every fill's refs, left, lead
+     * and retry, and every piece's state and asked pages; a piece's bytes are written only while it
+     * is P_READING (set under the lock) and read only once it is P_LANDED. */
     struct {
         pthread_mutex_t m;
         pthread_cond_t landed;                /* a piece landed or failed */

@@ -15,8 +15,9 @@
  * embedding table is read a few rows at a time.
  *
  * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every fill's
- * refs, left and lead, and every piece's state and asked pages. A piece's bytes are written by its drive thread
- * while it is P_READING and read (by a reply or a store) only once it is P_LANDED. Stores run on a
+ * refs, left, lead and retry, and every piece's state and asked pages. A piece's bytes are written
+ * by its drive thread while it is P_READING and read (by a reply or a store) only once it is
+ * P_LANDED. Stores run on a
  * thread of their own: a store waits for the page locks of a kernel request in flight over the
  * same pages, and a request's answer waits only for drive threads, which never store. A fill's
  * memory goes with its last reference: the list's (while it has pieces not done), each piece's
@@ -949,13 +950,17 @@ typedef struct {
 static int32_t key_at(const file_t *f, uint64_t off) { return f->seg_key[segment_at(f, off)]; }
 
 
+/* Whether r is a read lately (RUN_ON_NS) that reaches off: it ends there or past it. */
+static int reaches_lately(const recent_t *r, uint64_t off, uint64_t now) {
+    return r->t && now - r->t < RUN_ON_NS && r->lo < off && off <= r->hi;
+}
+
 /* The latest read of f lately, of a key other than k, that ends where off begins, or NULL. */
 static const recent_t *read_before_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
     const recent_t *latest = NULL;
     for (size_t i = 0; i < FILL_RECENT; i++) {
         const recent_t *r = &f->recent[i];
-        if (r->t && now - r->t < RUN_ON_NS && r->key != k && r->lo < off && off <= r->hi &&
-            (!latest || r->t > latest->t))
+        if (r->key != k && reaches_lately(r, off, now) && (!latest || r->t > latest->t))
             latest = r;
     }
     return latest;
@@ -966,8 +971,8 @@ static uint32_t hops_within_locked(const file_t *f, uint64_t off, int32_t k, uin
     uint32_t hops = 0;
     for (size_t i = 0; i < FILL_RECENT; i++) {
         const recent_t *r = &f->recent[i];
-        if (r->t && now - r->t < RUN_ON_NS && r->key == k && r->lo < off && off <= r->hi)
-            hops = r->hops > hops ? r->hops : hops;
+        if (r->key == k && reaches_lately(r, off, now) && r->hops > hops)
+            hops = r->hops;
     }
     return hops;
 }
@@ -1057,7 +1062,8 @@ static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
     int spent = 0;
     start_locked(e, x->f, x->key, off, asked, 1, &spent); /* listed: it answers from now on */
     x->lead = spent;
-    x->retry = e->fills.nfree + 1;
+    if (spent)
+        x->retry = e->fills.nfree + 1;
     if (!spent)
         atomic_fetch_add(&e->ctr.fill[16], 1);
 }

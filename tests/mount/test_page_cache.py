@@ -169,9 +169,7 @@ def test_a_reader_answered_from_its_lead_gets_the_whole_expert(tmp_path: Path, n
         got: dict[int, bytes] = {}
         readers = []
         for at in (-(-spans[0][0] // PAGE) * PAGE, spans[0][0] + (640 << 10)):
-            readers.append(
-                threading.Thread(target=lambda at=at: got.update({at: os.pread(f.fileno(), PAGE, at)}))
-            )
+            readers.append(page_reader(f, at, got))
             readers[-1].start()
             time.sleep(0.02)  # the first request starts the fill; the second comes while its lead is read
         for t in readers:
@@ -206,10 +204,7 @@ def test_a_request_waits_only_for_a_clearly_quicker_drive(tmp_path: Path, native
     ):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # each request the page read
         got: dict[int, bytes] = {}
-        readers = [
-            threading.Thread(target=lambda at=at: got.update({at: os.pread(f.fileno(), PAGE, at)}))
-            for at in firsts
-        ]
+        readers = [page_reader(f, at, got) for at in firsts]
         for t in readers:
             t.start()
         deadline = time.monotonic() + 10
@@ -397,6 +392,11 @@ def test_a_mirror_failing_mid_fill_is_read_from_the_primary(tmp_path: Path, nati
                 )
             control.write_text("ok")
         read_all(mnt, primary)
+
+
+def page_reader(f, at: int, got: dict[int, bytes]) -> threading.Thread:
+    """A thread (not started) that reads the page at `at` of f into got[at]: a request of its own."""
+    return threading.Thread(target=lambda: got.update({at: os.pread(f.fileno(), PAGE, at)}))
 
 
 @contextmanager
