@@ -319,8 +319,8 @@ def parser() -> argparse.ArgumentParser:
         "top",
         help="live per-drive view of a mount",
         description="A live view of a mount, redrawn every second: per drive MB/s now and on average, "
-        "share of bytes vs weights, reads in flight, errors, mirror health, fallbacks, hottest layers. "
-        "q or Ctrl-C exits.",
+        "share of bytes vs weights, reads in flight, errors, mirror health, fallbacks, the daemon's CPU, "
+        "hottest layers. q or Ctrl-C exits.",
     )
     tp.add_argument("mountpoint", help="a colifs mount point")
     tp.add_argument(

@@ -53,6 +53,13 @@ def prometheus(st: dict) -> str:
     lines += _family(
         "uptime_seconds", "gauge", "Seconds since the mount started.", [({"mountpoint": m}, st["uptime_s"])]
     )
+    cpu = st.get("cpu")  # an older daemon's stats.json has none
+    lines += _family(
+        "cpu_seconds",
+        "counter",
+        "CPU the daemon took (user and system, every thread).",
+        [({"mountpoint": m}, cpu["seconds"])] if cpu else [],
+    )
     lines += _family(
         "served_bytes", "counter", "Bytes each drive delivered to the mount.", per_replica("bytes_served")
     )

@@ -112,6 +112,17 @@ class MountInfo:
     revision: str = "main"  # the Hugging Face cache revision a repository directory serves
 
 
+def daemon_cpu(served: int) -> dict:
+    """The daemon's CPU since it started (every thread's, user and system) and per GB it served:
+    what the mount costs the machine next to what it delivers. Fills put pages into the page cache
+    themselves, so their share of the memory cgroup's reclaim is in it too (docs/benchmarks.md,
+    run 76)."""
+    t = os.times()
+    seconds = t.user + t.system
+    per_gb = round(seconds / (served / 1e9), 4) if served else None
+    return {"seconds": round(seconds, 3), "per_gb_served": per_gb}
+
+
 class Stats:
     """Counters of what each drive actually delivered to the mount (a fallback counts on the primary),
     and the mount's state as its owners report it (health, queues, usage saving, kernel knobs)."""
@@ -238,6 +249,7 @@ class Stats:
             "revision": self.info.revision,
             "routing": self.info.routing,
             "engine": self.info.engine,
+            "cpu": daemon_cpu(sum(self.bytes_served)),
             "fills": self.counters.fills,
             "passthrough": self.counters.passthrough,
             "kernel": self._kernel(),

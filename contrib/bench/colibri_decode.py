@@ -364,7 +364,7 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config], ref
     print(f"{'configuration':<44} {'decode tok/s':>13} {'(min-max)':>13} {'vs fast directly':>17} "
           f"{'vs colifs fast only':>20} {'tokens equal':>13} {'hit %':>6} {'loads/token':>12} "
           f"{'fast GB':>8} {'slow GB':>8} {'daemon GB':>10} {'CPU s/GB':>9} {'engine CPU s':>13} "
-          f"{'load s':>7}")  # fmt: skip
+          f"{'load s':>7} {'host CPU s':>11} {'busy %':>7}")  # fmt: skip
     for c in configs:
         m = median[c.label]
         vs_best = "-" if best is None else f"{m / best:.2f}"
@@ -382,6 +382,7 @@ def _row(runs: list[dict], vs_best: str, vs_alone: str, ref: list[int]) -> str:
         f" {median_of(runs, 'fast_gb', '.2f'):>8} {median_of(runs, 'slow_gb', '.2f'):>8}"
         f" {median_of(runs, 'daemon_gb', '.2f'):>10} {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
         f" {median_of(runs, 'engine_cpu_s', '.1f'):>13} {median_of(runs, 'load_s', '.2f'):>7}"
+        f" {median_of(runs, 'host_cpu_s', '.1f'):>11} {median_of(runs, 'host_busy_pct', '.0f'):>7}"
     )
 
 

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -227,6 +228,27 @@ def measured_mount(
         figures["fills"] = after.get("fills")
 
 
+def host_busy_seconds() -> tuple[float, float]:
+    """Every core's busy time so far (user, nice, system, irq, softirq: not idle, I/O wait or time
+    the hypervisor took) and the time, in seconds."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+
+
+@contextlib.contextmanager
+def host_cpu() -> Iterator[dict]:
+    """Yields a dict that, once the block is left, holds the CPU every process took in it (s) and
+    the share of the machine's cores that was (`host_busy_pct`): a rig near 100 is CPU-bound, and
+    there a configuration's extra CPU, the daemon's or the kernel's, costs the engine time."""
+    figures: dict = {}
+    busy0, t0 = host_busy_seconds()
+    yield figures
+    busy1, t1 = host_busy_seconds()
+    figures["host_cpu_s"] = busy1 - busy0
+    figures["host_busy_pct"] = 100 * (busy1 - busy0) / ((t1 - t0) * (os.cpu_count() or 1))
+
+
 def one_run(
     dirs: list[Path], mnt: Path, config: Config, cg: MemoryCgroup, limit_mib: int, run: Callable[[Path], dict]
 ) -> dict:
@@ -240,7 +262,9 @@ def one_run(
     runs had.)"""
     cg.set_limit(limit_mib)
     if config.flags is None:
-        return run(dirs[0])
+        with host_cpu() as host:
+            r = run(dirs[0])
+        return {**r, **host}
 
     def joined(pid: int) -> None:
         cg.add(pid)
@@ -248,9 +272,10 @@ def one_run(
             run(mnt)
 
     with measured_mount(dirs[: config.drives], mnt, config.flags, joined) as (pid, figures):
-        r = run(mnt)
+        with host_cpu() as host:
+            r = run(mnt)
         (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
-    return {**r, **figures}
+    return {**r, **figures, **host}
 
 
 Results = dict[str, dict[str, list[dict]]]  # variant (load mode, loader) -> configuration label -> runs

@@ -130,7 +130,7 @@ def _print_results(
         print(f"\n{loader}:")
         print(f"{'configuration':<42} {'load s':>7} {'(min-max)':>13} {'speed-up':>9} {'weights equal':>14} "
               f"{'daemon GB':>10} {'CPU s':>6} {'CPU s/GB':>9} {'slow share':>11} "
-              f"{'readahead KiB':>14}")  # fmt: skip
+              f"{'readahead KiB':>14} {'host CPU s':>11} {'busy %':>7}")  # fmt: skip
         for label, *_ in chosen:
             runs = by[label]
             t = [x["load_s"] for x in runs]
@@ -143,7 +143,8 @@ def _print_results(
                 f"{median_of(runs, 'daemon_cpu_s', '.1f'):>6} "
                 f"{median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9} "
                 f"{format(statistics.median(share), '.3f') if share else '-':>11} "
-                f"{median_of(runs, 'readahead_kb', '.0f'):>14}"
+                f"{median_of(runs, 'readahead_kb', '.0f'):>14} "
+                f"{median_of(runs, 'host_cpu_s', '.1f'):>11} {median_of(runs, 'host_busy_pct', '.0f'):>7}"
             )
 
 

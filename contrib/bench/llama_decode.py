@@ -172,7 +172,7 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config]) -> 
     print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
           f"{'vs colifs fast only':>20} {'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} "
           f"{'tokens equal':>13} {'drives GB':>10} {'daemon GB':>10} {'CPU s':>6} {'CPU s/GB':>9} "
-          f"{'peak RSS MiB':>13} {'readahead KiB':>14}")  # fmt: skip
+          f"{'peak RSS MiB':>13} {'readahead KiB':>14} {'host CPU s':>11} {'busy %':>7}")  # fmt: skip
     for c in configs:
         vs_alone = "-" if alone is None else f"{median[c.label] / alone:.2f}"
         _print_row(c.label, by[c.label], median[c.label] / best, vs_alone, fastest_load, ref_text)
@@ -194,6 +194,7 @@ def _print_row(
         f" {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
         f" {median_of(runs, 'daemon_peak_rss_mib', '.0f'):>13}"
         f" {median_of(runs, 'readahead_kb', '.0f'):>14}"
+        f" {median_of(runs, 'host_cpu_s', '.1f'):>11} {median_of(runs, 'host_busy_pct', '.0f'):>7}"
     )
 
 

@@ -89,4 +89,31 @@ def test_prometheus_output_parses_and_matches_stats_json(model) -> None:
     assert st["routing"] == {"native": "queue", "pyfuse3": "stripe"}[st["engine"]]  # the defaults
     layers = families["colifs_layer_routed_bytes"].samples
     assert {s.labels["layer"] for s in layers} == set(st["layers_routed_bytes"])
+    (cpu,) = families["colifs_cpu_seconds"].samples  # rendered before st: at most st's figure
+    assert 0 < cpu.value <= st["cpu"]["seconds"] and families["colifs_cpu_seconds"].type == "counter"
+    shutil.rmtree(mnt, ignore_errors=True)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """A process's CPU, every thread's, user and system, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_stats_show_the_daemons_own_cpu_and_its_cost_per_gb_served(model) -> None:
+    primary, mirror, mnt = model
+    tick = 1.5 / os.sysconf("SC_CLK_TCK")
+    with mounted(primary, [mirror], mnt, "--weights", "1,1") as m:
+        before = m.stats()
+        for p in sorted(primary.glob("*.safetensors")):
+            read_direct(m.path / p.name, 0, p.stat().st_size)
+        low = _cpu_seconds(before["pid"])
+        st = m.stats()
+        high = _cpu_seconds(before["pid"])
+    served = sum(r["bytes_served"] for r in st["replicas"])
+    assert served > sum(r["bytes_served"] for r in before["replicas"])
+    assert low - tick <= st["cpu"]["seconds"] <= high + tick  # the daemon's, not the reader's
+    assert st["cpu"]["seconds"] >= before["cpu"]["seconds"]
+    assert st["cpu"]["per_gb_served"] == pytest.approx(st["cpu"]["seconds"] / (served / 1e9), rel=1e-2)
     shutil.rmtree(mnt, ignore_errors=True)

@@ -118,3 +118,12 @@ def test_top_frame_shows_rates_shares_health_and_hot_layers() -> None:
     assert "fallbacks 7 (3.5/s now)" in frame
     assert rows[0].endswith("weights given, adaptive (measured 912 / ? MB/s, no change yet)")
     assert frame.rstrip().endswith("model.layers.2 4.5 MB/s, model.layers.1 2.5 MB/s")
+    assert "daemon CPU" not in frame  # an older daemon's stats.json: no cpu figures
+
+
+def test_top_frame_shows_the_daemons_cpu_now_and_per_gb_served() -> None:
+    prev = {**_stats([0, 0], 0, {}), "cpu": {"seconds": 1.0, "per_gb_served": None}}
+    cur = {**_stats([3_000_000_000, 1_000_000_000], 0, {}), "cpu": {"seconds": 5.4, "per_gb_served": 1.35}}
+    assert "daemon CPU 2.20 cores now, 1.10 s per GB served now, 1.35 since mount" in render(prev, cur, 2.0)
+    idle = {**cur, "cpu": {"seconds": 5.4, "per_gb_served": 1.35}}
+    assert "daemon CPU 0.00 cores now, - s per GB served now, 1.35 since mount" in render(cur, idle, 2.0)
