@@ -334,6 +334,10 @@ static int opened(job_t *j, int fd, int direct, uint32_t epoch, uint32_t gen) {
         } else {
             fd = j->changed ? FD_CHANGED : j->no_fds ? FD_CLOSED : FD_FAILED; /* no fds: tried again later */
         }
+        if (fd == FD_CHANGED) {
+            free(f->changed_why[d]);
+            f->changed_why[d] = strdup(j->what);
+        }
         atomic_store(&f->fd_epoch[d], epoch);
         atomic_store(&f->fd[d], fd);
     }
@@ -503,8 +507,12 @@ static void run_job(engine_t *e, job_t *j) {
     }
     int fd = mirror_fd(e, j);
     if (fd == FD_CHANGED && !j->changed) {
-        j->changed = 1; /* another job found the copy changed: so is this one's */
-        snprintf(j->what, sizeof j->what, "changed (found when opened)");
+        j->changed = 1; /* another job found the copy changed: so is this one's, for the same reason
+                           (whichever job's report comes first is the one the file's note shows) */
+        pthread_mutex_lock(&j->f->lock);
+        const char *why = j->f->changed_why[j->drive];
+        snprintf(j->what, sizeof j->what, "%s", why ? why : "changed (found when opened)");
+        pthread_mutex_unlock(&j->f->lock);
     }
     if (fd < 0) {
         j->got = -1;

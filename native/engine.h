@@ -129,6 +129,8 @@ typedef struct {
     _Atomic int direct[MAX_REPLICAS];
     _Atomic uint32_t fd_epoch[MAX_REPLICAS]; /* engine.epoch[d] when fd[d] was opened (or failed) */
     struct drive *fd_drive[MAX_REPLICAS];  /* the drive generation fd[d] was opened on (its calls) */
+    char *changed_why[MAX_REPLICAS]; /* under lock: why an open found copy d changed (FD_CHANGED),
+                                        which the jobs that find fd[d] so report too */
     int jobs[MAX_REPLICAS];     /* mirror jobs queued or running on the copy in force, per drive */
     int retired[RETIRED_SLOTS]; /* replaced descriptors: closed once no job of their copy runs */
     uint8_t retired_on[RETIRED_SLOTS];   /* their drive (so another mirror's jobs keep none open) */

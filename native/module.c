@@ -903,6 +903,8 @@ static void Engine_dealloc(EngineObject *self) {
         free(e->files[i].seg_rot);
         free(e->files[i].expert_seg);
         free(e->files[i].mpath);
+        for (int d = 0; d < MAX_REPLICAS; d++)
+            free(e->files[i].changed_why[d]);
     }
     for (size_t i = 0; i < e->nnodes; i++)
         free(e->nodes[i].target);
