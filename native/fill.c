@@ -14,14 +14,14 @@
  * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
  * embedding table is read a few rows at a time.
  *
- * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every fill's
- * refs, left, lead and retry, and every piece's state and asked pages. A piece's bytes are written
- * by its drive thread while it is P_READING and read (by a reply or a store) only once it is
- * P_LANDED. Stores run on a
- * thread of their own: a store waits for the page locks of a kernel request in flight over the
- * same pages, and a request's answer waits only for drive threads, which never store. A fill's
- * memory goes with its last reference: the list's (while it has pieces not done), each piece's
- * (until done: read and then answered, stored or failed), each request answering from it.
+ * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every
+ * fill's refs, left, lead and retry, and every piece's state and asked pages. A piece's bytes are
+ * written by its drive thread while it is P_READING and read (by a reply or a store) only once it
+ * is P_LANDED. Stores run on a thread of their own: a store waits for the page locks of a kernel
+ * request in flight over the same pages, and a request's answer waits only for drive threads,
+ * which never store. A fill's memory goes with its last reference: the list's (while it has pieces
+ * not done), each piece's (until done: read and then answered, stored or failed), each request
+ * answering from it.
  */
 #define _GNU_SOURCE
 #include "engine.h"
@@ -1064,7 +1064,7 @@ static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
     x->lead = spent;
     if (spent)
         x->retry = e->fills.nfree + 1;
-    if (!spent)
+    else
         atomic_fetch_add(&e->ctr.fill[16], 1);
 }
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from dual_drive import COLIFS, Rig, colifs_mount, cpu_seconds, settle
+from dual_drive import COLIFS, TICK, Rig, colifs_mount, cpu_seconds, settle
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 
@@ -233,7 +233,7 @@ def host_busy_seconds() -> tuple[float, float]:
     the hypervisor took) and the time, in seconds."""
     with open("/proc/stat") as f:
         user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
-    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK"), time.monotonic()
+    return (user + nice + system + irq + softirq) / TICK, time.monotonic()
 
 
 @contextlib.contextmanager
