@@ -24,7 +24,9 @@ Each run decodes --tokens tokens after a 2-token prompt (PROMPT mode), sampled w
 same, cached, experts); the tokens must be the same in every run. The engine's expert cache is
 --cap slots per layer (CAP_RAISE=0, RAM_GB=16: its RAM budget, not the cgroup's, would size it),
 AUTOPIN=0, and the routing history it writes into the model directory (.coli_usage) is removed after
-every run. --modes: DIRECT=0 (buffered preads of whole experts) or DIRECT=1 (O_DIRECT). Caches
+every run. --modes: DIRECT=0 (buffered preads of whole experts) or DIRECT=1 (O_DIRECT). Its column
+"read wait s" is the engine's own profile of its decode: the seconds its compute thread waited for
+reads. Caches
 dropped before every run; configurations interleaved; medians and min-max. For colifs runs the
 daemon joins the engine's memory cgroup (one limit for every configuration). Root only; cleans up.
 """
@@ -257,6 +259,10 @@ FIGURES = {
 }
 
 
+# The engine's profile: seconds its compute thread waited for expert reads.
+PROFILE = r"PROFILE: expert-disk [\d.]+s service / ([\d.]+)s wait"
+
+
 def parse(out: str, err: str) -> dict:
     """The figures of one run's stdout and stderr; RuntimeError if the decode line is missing."""
     decode = re.search(r"decode (\d+) tokens in ([\d.]+)s", out)
@@ -268,6 +274,8 @@ def parse(out: str, err: str) -> dict:
     for field, pattern in FIGURES.items():
         m = re.search(pattern, out + err)
         r[field] = float(next(g for g in m.groups() if g is not None)) if m else None
+    waits = re.findall(PROFILE, out)  # the prefill's profile, then the decode's
+    r["ewait_s"] = float(waits[-1]) if waits else None
     return r
 
 
@@ -364,7 +372,7 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config], ref
     print(f"{'configuration':<44} {'decode tok/s':>13} {'(min-max)':>13} {'vs fast directly':>17} "
           f"{'vs colifs fast only':>20} {'tokens equal':>13} {'hit %':>6} {'loads/token':>12} "
           f"{'fast GB':>8} {'slow GB':>8} {'daemon GB':>10} {'CPU s/GB':>9} {'engine CPU s':>13} "
-          f"{'load s':>7} {'host CPU s':>11} {'busy %':>7}")  # fmt: skip
+          f"{'load s':>7} {'read wait s':>12} {'host CPU s':>11} {'busy %':>7}")  # fmt: skip
     for c in configs:
         m = median[c.label]
         vs_best = "-" if best is None else f"{m / best:.2f}"
@@ -382,6 +390,7 @@ def _row(runs: list[dict], vs_best: str, vs_alone: str, ref: list[int]) -> str:
         f" {median_of(runs, 'fast_gb', '.2f'):>8} {median_of(runs, 'slow_gb', '.2f'):>8}"
         f" {median_of(runs, 'daemon_gb', '.2f'):>10} {median_of(runs, 'daemon_cpu_s_per_gb', '.2f'):>9}"
         f" {median_of(runs, 'engine_cpu_s', '.1f'):>13} {median_of(runs, 'load_s', '.2f'):>7}"
+        f" {median_of(runs, 'ewait_s', '.2f'):>12}"
         f" {median_of(runs, 'host_cpu_s', '.1f'):>11} {median_of(runs, 'host_busy_pct', '.0f'):>7}"
     )
 
