@@ -172,11 +172,16 @@ class LatencyDrive:
 
 
 def fio_curve(
-    path: Path, lat_us: float, mb_per_s: float, size: int = 128 << 10, seconds: float = 3
+    path: Path,
+    lat_us: float,
+    mb_per_s: float,
+    size: int = 128 << 10,
+    seconds: float = 3,
+    depths: tuple[int, ...] = (1, 2, 4, 8, 16),
 ) -> list[dict]:
     """fio's random O_DIRECT reads of `path` at queue depths 1-16 against the model's figures."""
     rows = []
-    for depth in (1, 2, 4, 8, 16):
+    for depth in depths:
         out = subprocess.run(
             ["fio", "--name=curve", f"--filename={path}", "--rw=randread", f"--bs={size}", "--direct=1",
              "--ioengine=io_uring", f"--iodepth={depth}", f"--runtime={seconds:g}", "--time_based",
