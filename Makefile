@@ -21,13 +21,13 @@ demo: $(STAMP)
 	$(VENV)/bin/python contrib/demo.py
 
 test: $(STAMP) $(VOCAB)/.done
-	$(VENV)/bin/ruff check colifs tests contrib
-	$(VENV)/bin/ruff format --check colifs tests contrib
+	$(VENV)/bin/ruff check colifs tests contrib setup.py
+	$(VENV)/bin/ruff format --check colifs tests contrib setup.py
 	COLIFS_GGUF_VOCAB_DIR=$(VOCAB) $(VENV)/bin/pytest
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check colifs tests contrib
-	$(VENV)/bin/ruff format --check colifs tests contrib
+	$(VENV)/bin/ruff check colifs tests contrib setup.py
+	$(VENV)/bin/ruff format --check colifs tests contrib setup.py
 
 # Optional: real inference engines for contrib/bench/llama-decode.sh (make test needs none of them).
 bench-engines: $(STAMP) $(VOCAB)/.done

@@ -59,7 +59,7 @@ setup(
     ext_modules=[
         Extension(
             "colifs._native",
-            sources=[f"native/{name}.c" for name in ("module", "fs", "drives", "fill", "view", "passthrough")],
+            sources=[f"native/{n}.c" for n in ("module", "fs", "drives", "fill", "view", "passthrough")],
             depends=["native/engine.h"],
             extra_compile_args=["-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror=implicit"],
         )
