@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+from dual_drive import cpu_seconds
+
 from colifs.synth import write_checkpoint
 
 CHUNK = 1 << 20
@@ -47,11 +49,6 @@ def read_all(paths: list[Path], threads: int, direct: bool) -> float:
     for t in ts:
         t.join()
     return sum(got) / (time.monotonic() - t0) / 1e9
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> int:

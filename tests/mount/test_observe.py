@@ -5,13 +5,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from colifs.formats import format_of
 from colifs.formats.layout import ExpertKey
-from tests.helpers import mounted, read_direct, run_colifs
+from tests.helpers import ROOT, mounted, read_direct, run_colifs
+
+sys.path.insert(0, str(ROOT / "contrib" / "bench"))
+from dual_drive import cpu_seconds
 
 pytestmark = pytest.mark.mounts  # every test here runs on both engines
 
@@ -94,13 +98,6 @@ def test_prometheus_output_parses_and_matches_stats_json(model) -> None:
     shutil.rmtree(mnt, ignore_errors=True)
 
 
-def _cpu_seconds(pid: int) -> float:
-    """A process's CPU, every thread's, user and system, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_stats_show_the_daemons_own_cpu_and_its_cost_per_gb_served(model) -> None:
     primary, mirror, mnt = model
     tick = 1.5 / os.sysconf("SC_CLK_TCK")
@@ -108,9 +105,9 @@ def test_stats_show_the_daemons_own_cpu_and_its_cost_per_gb_served(model) -> Non
         before = m.stats()
         for p in sorted(primary.glob("*.safetensors")):
             read_direct(m.path / p.name, 0, p.stat().st_size)
-        low = _cpu_seconds(before["pid"])
+        low = cpu_seconds(before["pid"])
         st = m.stats()
-        high = _cpu_seconds(before["pid"])
+        high = cpu_seconds(before["pid"])
     served = sum(r["bytes_served"] for r in st["replicas"])
     assert served > sum(r["bytes_served"] for r in before["replicas"])
     assert low - tick <= st["cpu"]["seconds"] <= high + tick  # the daemon's, not the reader's
