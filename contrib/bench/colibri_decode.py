@@ -26,9 +26,9 @@ same, cached, experts); the tokens must be the same in every run. The engine's e
 AUTOPIN=0, and the routing history it writes into the model directory (.coli_usage) is removed after
 every run. --modes: DIRECT=0 (buffered preads of whole experts) or DIRECT=1 (O_DIRECT). Its column
 "read wait s" is the engine's own profile of its decode: the seconds its compute thread waited for
-reads. Caches
-dropped before every run; configurations interleaved; medians and min-max. For colifs runs the
-daemon joins the engine's memory cgroup (one limit for every configuration). Root only; cleans up.
+reads. Caches dropped before every run; configurations interleaved; medians and min-max. For colifs
+runs the daemon joins the engine's memory cgroup (one limit for every configuration). Root only;
+cleans up.
 """
 
 from __future__ import annotations
