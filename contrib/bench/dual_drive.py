@@ -52,6 +52,7 @@ class Rig:
         self.dirs = []
         self.images: list[Path] = []
         self.latency_drives: list[LatencyDrive] = []
+        self.rates: tuple[float, float] | None = None  # MB/s, fast and slow (throttle)
         try:
             for name in ("fast", "slow"):
                 self._drive(name, image_gb, ram, latency)
@@ -94,6 +95,7 @@ class Rig:
     def throttle(self, fast_mb: float, slow_mb: float) -> None:
         """The drives' rates from now on (a drive that slows while serving). Drives with latency
         keep the latency their first rate gave them (BDP_KB over it)."""
+        self.rates = (fast_mb, slow_mb)
         if self.latency_drives:
             for drive, mb, bdp in zip(self.latency_drives, (fast_mb, slow_mb), BDP_KB, strict=True):
                 drive.set(drive.latency_us or latency_us(mb, bdp), mb)
@@ -105,6 +107,27 @@ class Rig:
         for loop, mb in zip(self.loops, (fast_mb, slow_mb), strict=True):
             devno = Path(f"/sys/block/{os.path.basename(loop)}/dev").read_text().strip()
             (self.cgroup / "blkio.throttle.read_bps_device").write_text(f"{devno} {int(mb * 1e6)}\n")
+
+    @contextlib.contextmanager
+    def unlimited(self) -> Iterator[None]:
+        """Drives with no latency and no rate limit while in the block, then the rates (and
+        latencies) they had: what a reader gets through a path whose own cost on this machine is
+        then the only limit (a mount's ceiling, which no read policy passes)."""
+        rates, latencies = self.rates, [d.latency_us for d in self.latency_drives]
+        assert rates is not None, "throttle the drives first"
+        for drive in self.latency_drives:
+            drive.set(0, 0)
+        if not self.latency_drives:
+            self.throttle(0, 0)  # blkio: a rate of 0 takes the device's rule away
+        try:
+            yield
+        finally:
+            if self.latency_drives:
+                for drive, lat, mb in zip(self.latency_drives, latencies, rates, strict=True):
+                    drive.set(lat, mb)
+                self.rates = rates
+            else:
+                self.throttle(*rates)
 
     def describe(self) -> str:
         """The drives, for a results header."""

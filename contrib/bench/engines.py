@@ -51,6 +51,7 @@ class Config(NamedTuple):
     drives: int = 2  # colifs over both drives, or over the fast one only
     again: bool = False  # measure the engine's second run on the mount (the first one unmeasured)
     mirror: bool = False  # no colifs: the engine reads both drives itself (its own mirror, MIRROR_CONFIGS)
+    unlimited: bool = False  # the drives with no latency and no rate limit for this run (Rig.unlimited)
 
 
 CONFIGS = (
@@ -72,6 +73,8 @@ CONFIGS = (
     "threads4",
     "expert",
     "stripe",
+    "ceiling",
+    "ceilingfast",
 )
 # Only for an engine that can read a mirror itself (Colibrì's COLI_MODEL_MIRROR): `rig_arguments`'
 # `known`. Not in CONFIGS, whose engines would read the fast drive alone under that name.
@@ -150,6 +153,16 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
         "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
+        # The mount's ceiling on this machine: the drives without limit from before the mount (its
+        # probe sees them so) to its unmount, so only the served path's own cost (the daemon, the
+        # kernel's copies into the page cache, the rig's drive servers) holds the engine back. No
+        # read policy gets more out of drives that have limits.
+        "ceiling": Config(
+            "colifs, both drives (defaults), drives without limit", ["--weights", w], 128, unlimited=True
+        ),
+        "ceilingfast": Config(
+            "colifs, fast drive only (defaults), drives without limit", [], 128, drives=1, unlimited=True
+        ),
         "mirror": Config(f"the engine's own mirror, both drives ({w})", None, 128, mirror=True),
     }
     return [named[name] for name in names.split(",")]
@@ -322,7 +335,8 @@ def interleaved(
             for variant in variants:
                 for config in chosen:
                     print(f"run {rep + 1}/{args.repeats}: {variant}: {config[0]} ...", file=sys.stderr)
-                    r = run(rig, cg, mnt, variant, config)
+                    with rig.unlimited() if config.unlimited else contextlib.nullcontext():
+                        r = run(rig, cg, mnt, variant, config)
                     results.setdefault(variant, {}).setdefault(config[0], []).append(r)
                     if args.json:
                         Path(args.json).write_text(
