@@ -85,6 +85,7 @@ FILLS = (
     "bytes_failed",
     "requests_run_on",
     "leads_followed",
+    "fills_from_first_page",
 )
 
 # native/engine.h PT_NEVER, PT_AUTO, PT_ALWAYS (colifs.config.MountConfig.passthrough).

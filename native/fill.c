@@ -4,7 +4,8 @@
  * routed expert starts a fill: the request's own bytes and a lead of FILL_LEAD in its extent (the
  * kernel's readahead runs into experts nobody reads); once the reader asks RUN_ON_REACH away from
  * where it began, it streams, and the rest of that expert's extents in the file follow (an engine
- * reads an expert whole; at most FILL_MAX); all less what the page cache already
+ * reads an expert whole; at most FILL_MAX). A first request on an extent's first page streams from
+ * the start (an engine reading the expert: no lead); all less what the page cache already
  * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
  * FILL_PIECE on the drives the routes give them (the request's own on a drive clearly the quickest:
  * it is waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every
@@ -616,10 +617,11 @@ static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
  * request's bytes and a lead of FILL_LEAD of its extent (after the request, what is short of it
  * before), until the reader shows it streams (the kernel's readahead runs past an extent into the
  * next expert, which nobody may want: two windows at most, so a reader RUN_ON_REACH into an extent
- * wants it); then the rest of the extent, the key's extents after it, those before it, and last the
- * part of its own extent before the request (a reader streams forwards, mostly). Of a file also
- * open with O_DIRECT only the extent asked: such an engine reads the expert's weights direct and
- * some of its tensors (scales) through the page cache (Colibri's DIRECT=1). */
+ * wants it; so does one that begins on the extent's first page, from_first_page); then the rest of
+ * the extent, the key's extents after it, those before it, and last the part of its own extent
+ * before the request (a reader streams forwards, mostly). Of a file also open with O_DIRECT only
+ * the extent asked: such an engine reads the expert's weights direct and some of its tensors
+ * (scales) through the page cache (Colibri's DIRECT=1). */
 static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams,
                         ranges_t *r) {
     uint64_t a[FILL_RANGES], b[FILL_RANGES];
@@ -660,6 +662,16 @@ static int all_cached(file_t *f, uint64_t a, uint64_t b) {
         if (!(vec[j] & 1))
             return 0;
     return got && got == (b - a) / BLOCK;
+}
+
+/* Whether a request at off begins on the first page of one of key k's extents: an engine reading
+ * the expert (a buffered read of it, a fault at its first byte), which wants it whole. The kernel's
+ * readahead running into it runs on from a read of another key, which starts no fill
+ * (intent_locked), and a fault's read-around reaches into it from the page of that fault. */
+static int from_first_page(engine_t *e, file_t *f, int32_t k, uint64_t off) {
+    uint64_t a[FILL_RANGES], b[FILL_RANGES];
+    size_t n = is_expert(e, k) ? key_extents(f, k, a, b, FILL_RANGES) : 0, i = extent_of(b, n, off);
+    return i < n && align_down_u64(off) == align_down_u64(a[i]);
 }
 
 /* Whether a reader streams through key k's extent at [off, asked): the RUN_ON_REACH of that extent
@@ -1039,10 +1051,11 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
     fill_t *fl = NULL;
     if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked)) {
-        int streams = streamed(e, f, it.key, off, asked); /* past a lead the page cache holds */
+        int whole = from_first_page(e, f, it.key, off);
+        int streams = whole || streamed(e, f, it.key, off, asked); /* or past a lead the page cache holds */
         fl = start_locked(e, f, it.key, off, asked, streams, NULL);
         if (fl && streams)
-            atomic_fetch_add(&e->ctr.fill[16], 1);
+            atomic_fetch_add(&e->ctr.fill[whole ? 17 : 16], 1);
     }
     if (fl)
         remember_fill_locked(e, f, fl, &it, now);

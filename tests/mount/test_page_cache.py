@@ -68,6 +68,31 @@ def settled(m) -> dict:
     return f
 
 
+@contextmanager
+def slices_page_by_page(tmp_path: Path) -> Iterator[tuple]:
+    """A model of 4 MiB extents (a 200B+ model's slices), mounted, open with POSIX_FADV_RANDOM (each
+    request the pages read) and the daemon's view of it open: the mount, the file, its bytes, and
+    the path of the model."""
+    primary, mirror, model = fused_model(tmp_path, 1, 2048)
+    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
+        via = m.path / model.name
+        drop_file_cache(via)
+        with open(via, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            wait_for(lambda: fills_of(m)["views_open"] == 1)
+            yield m, f, model.read_bytes(), model
+
+
+def read_from_the_page_cache(m, f, want: bytes, spans: list[tuple[int, int]]) -> None:
+    """The extents read whole, which a fill put in the page cache: nothing reaches a drive but their
+    ragged ends."""
+    before = served(m)
+    for s, e in spans:
+        f.seek(s)
+        assert f.read(e - s) == want[s:e]
+    assert served(m) - before <= 4 * PAGE, served(m) - before
+
+
 def test_page_cache_readers_are_answered_and_stored_by_fills(fused, tmp_path: Path, native_only) -> None:
     """mmap faults through a whole fused model: every byte the primary's; each expert is read once,
     from both drives, its pieces answering requests or stored into the page cache."""
@@ -124,30 +149,42 @@ def test_a_reader_going_on_past_its_lead_gets_the_whole_expert(tmp_path: Path, n
     """Extents of 4 MiB (a 200B+ model's slices), longer than a lead: one page read, then the page
     just past the lead (the reader streams on through what the lead stored): that fill reads the
     rest of the expert, all three extents, and reading the expert whole reaches no drive after."""
-    primary, mirror, model = fused_model(tmp_path, 1, 2048)
-    want = model.read_bytes()
-    spans = extents_of(model, ExpertKey("blk", 0, 1))
-    with mounted(primary, [mirror], tmp_path / "mnt", *UNTIMED) as m:
-        via = m.path / model.name
-        drop_file_cache(via)
-        with open(via, "rb", buffering=0) as f:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # each request the page read
-            wait_for(lambda: fills_of(m)["views_open"] == 1)
-            first = -(-spans[0][0] // PAGE) * PAGE
-            f.seek(first)
-            assert f.read(PAGE) == want[first : first + PAGE]
-            lead = settled(m)["bytes_read"]
-            assert LEAD <= lead <= LEAD + 2 * PAGE, lead
-            on = first + PAGE + LEAD
-            f.seek(on)
-            assert f.read(PAGE) == want[on : on + PAGE]
-            fills = settled(m)
-            assert fills["fills_started"] == 2 and fills["bytes_read"] >= 3 * (4 << 20) - 2 * PAGE, fills
-            before = served(m)
-            for s, e in spans:
-                f.seek(s)
-                assert f.read(e - s) == want[s:e]
-            assert served(m) - before <= 4 * PAGE, served(m) - before  # the extents' ragged ends
+    with slices_page_by_page(tmp_path) as (m, f, want, model):
+        spans = extents_of(model, ExpertKey("blk", 0, 1))
+        first = -(-spans[0][0] // PAGE) * PAGE  # the first whole page: not the one it begins on
+        f.seek(first)
+        assert f.read(PAGE) == want[first : first + PAGE]
+        lead = settled(m)["bytes_read"]
+        assert LEAD <= lead <= LEAD + 2 * PAGE, lead
+        on = first + PAGE + LEAD
+        f.seek(on)
+        assert f.read(PAGE) == want[on : on + PAGE]
+        fills = settled(m)
+        assert fills["fills_started"] == 2 and fills["bytes_read"] >= 3 * (4 << 20) - 2 * PAGE, fills
+        read_from_the_page_cache(m, f, want, spans)
+
+
+def test_a_read_from_an_experts_first_page_gets_the_whole_expert_at_once(tmp_path: Path, native_only) -> None:
+    """An engine reading an expert (Colibrì's buffered read of it) asks first for the page that holds
+    its first byte: that fill reads the whole expert, all three extents of 4 MiB, with no lead, and
+    reading the expert whole reaches no drive after. A read that begins a page further in is read
+    as a lead (the kernel's readahead reaching an expert)."""
+    with slices_page_by_page(tmp_path) as (m, f, want, model):
+        spans, other = (extents_of(model, ExpertKey("blk", 0, e)) for e in (1, 3))  # 3: not beside 1
+        first = spans[0][0] // PAGE * PAGE
+        f.seek(first)
+        assert f.read(2 * PAGE) == want[first : first + 2 * PAGE]  # its middle in the expert
+        fills = settled(m)
+        assert fills["fills_started"] == 1 and fills["fills_from_first_page"] == 1, fills
+        whole = fills["bytes_read"]
+        assert whole >= 3 * (4 << 20) - 2 * PAGE and fills["leads_followed"] == 0, fills
+        read_from_the_page_cache(m, f, want, spans)
+        inside = other[0][0] // PAGE * PAGE + PAGE
+        f.seek(inside)
+        assert f.read(2 * PAGE) == want[inside : inside + 2 * PAGE]
+        fills = settled(m)
+        assert fills["fills_started"] == 2 and fills["fills_from_first_page"] == 1, fills
+        assert LEAD <= fills["bytes_read"] - whole <= LEAD + 4 * PAGE, fills  # a lead
 
 
 def test_a_reader_answered_from_its_lead_gets_the_whole_expert(tmp_path: Path, native_only) -> None:
