@@ -284,7 +284,8 @@ typedef struct {
                                              pieces that failed, [15] requests into an expert that
                                              started no fill: they ran on from another key's read,
                                              [16] leads a reader went on into: the rest started,
-                                             [17] fills begun on an expert's first page: whole at once */
+                                             [17] fills begun on an expert's first page: the rest
+                                             of the expert from the start, no lead */
     _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
                                              offered it), [1] page-cache opens passed through, [2]
                                              page-cache opens served (their file was open for served

@@ -946,8 +946,8 @@ static int answer_locked(engine_t *e, file_t *f, fuse_req_t req, uint64_t off, u
  * this key too). Requests that start no fill are remembered under the key they run on from, so a
  * run-on is followed window by window. A reader that streams on across STREAM_HOPS boundaries
  * between experts (a load reading the file through) wants each next key from its first byte: no
- * run-on (at worst a lead of an expert nobody reads, where an engine's readahead runs on past
- * three experts it read back to back). */
+ * run-on (at worst a fill of an expert nobody reads, whole when the request begins on its first
+ * page, where an engine's readahead runs on past three experts it read back to back). */
 
 #define STREAM_HOPS 3
 
@@ -1073,11 +1073,11 @@ static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
         (off < x->from + RUN_ON_REACH && asked + RUN_ON_REACH > x->from))
         return;
     int spent = 0;
-    start_locked(e, x->f, x->key, off, asked, 1, &spent); /* listed: it answers from now on */
+    fill_t *rest = start_locked(e, x->f, x->key, off, asked, 1, &spent); /* listed: it answers now on */
     x->lead = spent;
     if (spent)
         x->retry = e->fills.nfree + 1;
-    else
+    else if (rest) /* none when nothing was left to read (another fill, the page cache) */
         atomic_fetch_add(&e->ctr.fill[16], 1);
 }
 

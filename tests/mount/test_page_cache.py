@@ -151,7 +151,7 @@ def test_a_reader_going_on_past_its_lead_gets_the_whole_expert(tmp_path: Path, n
     rest of the expert, all three extents, and reading the expert whole reaches no drive after."""
     with slices_page_by_page(tmp_path) as (m, f, want, model):
         spans = extents_of(model, ExpertKey("blk", 0, 1))
-        first = -(-spans[0][0] // PAGE) * PAGE  # the first whole page: not the one it begins on
+        first = spans[0][0] // PAGE * PAGE + PAGE  # not the page it begins on: a lead
         f.seek(first)
         assert f.read(PAGE) == want[first : first + PAGE]
         lead = settled(m)["bytes_read"]
@@ -205,7 +205,7 @@ def test_a_reader_answered_from_its_lead_gets_the_whole_expert(tmp_path: Path, n
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
         got: dict[int, bytes] = {}
         readers = []
-        for at in (-(-spans[0][0] // PAGE) * PAGE, spans[0][0] + (640 << 10)):
+        for at in (spans[0][0] // PAGE * PAGE + PAGE, spans[0][0] + (640 << 10)):  # a lead, then on
             readers.append(page_reader(f, at, got))
             readers[-1].start()
             time.sleep(0.02)  # the first request starts the fill; the second comes while its lead is read
