@@ -617,7 +617,7 @@ static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
  * request's bytes and a lead of FILL_LEAD of its extent (after the request, what is short of it
  * before), until the reader shows it streams (the kernel's readahead runs past an extent into the
  * next expert, which nobody may want: two windows at most, so a reader RUN_ON_REACH into an extent
- * wants it; so does one that begins on the extent's first page, from_first_page); then the rest of
+ * wants it; so does one that begins on the extent's first page, streamed); then the rest of
  * the extent, the key's extents after it, those before it, and last the part of its own extent
  * before the request (a reader streams forwards, mostly). Of a file also open with O_DIRECT only
  * the extent asked: such an engine reads the expert's weights direct and some of its tensors
@@ -664,26 +664,26 @@ static int all_cached(file_t *f, uint64_t a, uint64_t b) {
     return got && got == (b - a) / BLOCK;
 }
 
-/* Whether a request at off begins on the first page of one of key k's extents: an engine reading
- * the expert (a buffered read of it, a fault at its first byte), which wants it whole. The kernel's
- * readahead running into it runs on from a read of another key, which starts no fill
- * (intent_locked), and a fault's read-around reaches into it from the page of that fault. */
-static int from_first_page(engine_t *e, file_t *f, int32_t k, uint64_t off) {
-    uint64_t a[FILL_RANGES], b[FILL_RANGES];
-    size_t n = is_expert(e, k) ? key_extents(f, k, a, b, FILL_RANGES) : 0, i = extent_of(b, n, off);
-    return i < n && align_down_u64(off) == align_down_u64(a[i]);
-}
+enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE };
 
-/* Whether a reader streams through key k's extent at [off, asked): the RUN_ON_REACH of that extent
- * before it (or after it: a reader going backwards) is in the page cache, a lead it read through. */
+/* Whether a reader streams through key k's extent at [off, asked), and how: it begins on the
+ * extent's first page (FROM_FIRST_PAGE: an engine reading the expert, a buffered read of it or a
+ * fault at its first byte, which wants it whole; the kernel's readahead running into it runs on
+ * from a read of another key, which starts no fill, intent_locked, and a fault's read-around
+ * reaches into it from the page of that fault), or the RUN_ON_REACH of that extent before it (or
+ * after it: a reader going backwards) is in the page cache, a lead it read through (PAST_A_LEAD). */
 static int streamed(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked) {
     uint64_t a[FILL_RANGES], b[FILL_RANGES];
     size_t n = is_expert(e, k) ? key_extents(f, k, a, b, FILL_RANGES) : 0, i = extent_of(b, n, off);
     uint64_t head = align_down_u64(off), tail = align_up_u64(asked);
     if (i == n)
-        return 0;
+        return NOT_STREAMED;
+    if (head == align_down_u64(a[i]))
+        return FROM_FIRST_PAGE;
     return (head >= a[i] + RUN_ON_REACH && all_cached(f, head - RUN_ON_REACH, head)) ||
-           (tail + RUN_ON_REACH <= b[i] && all_cached(f, tail, tail + RUN_ON_REACH));
+                   (tail + RUN_ON_REACH <= b[i] && all_cached(f, tail, tail + RUN_ON_REACH))
+               ? PAST_A_LEAD
+               : NOT_STREAMED;
 }
 
 /* The pieces of the ranges, on the drives the routes give them (the primary where a drive has no
@@ -1051,11 +1051,10 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
     fill_t *fl = NULL;
     if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked)) {
-        int whole = from_first_page(e, f, it.key, off);
-        int streams = whole || streamed(e, f, it.key, off, asked); /* or past a lead the page cache holds */
-        fl = start_locked(e, f, it.key, off, asked, streams, NULL);
-        if (fl && streams)
-            atomic_fetch_add(&e->ctr.fill[whole ? 17 : 16], 1);
+        int streams = streamed(e, f, it.key, off, asked);
+        fl = start_locked(e, f, it.key, off, asked, streams != NOT_STREAMED, NULL);
+        if (fl && streams != NOT_STREAMED)
+            atomic_fetch_add(&e->ctr.fill[streams == FROM_FIRST_PAGE ? 17 : 16], 1);
     }
     if (fl)
         remember_fill_locked(e, f, fl, &it, now);

@@ -125,7 +125,6 @@ class Rig:
             if self.latency_drives:
                 for drive, lat, mb in zip(self.latency_drives, latencies, rates, strict=True):
                     drive.set(lat, mb)
-                self.rates = rates
             else:
                 self.throttle(*rates)
 

@@ -153,18 +153,14 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
         "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
-        # The mount's ceiling on this machine: the drives without limit from before the mount (its
-        # probe sees them so) to its unmount, so only the served path's own cost (the daemon, the
-        # kernel's copies into the page cache, the rig's drive servers) holds the engine back. No
-        # read policy gets more out of drives that have limits.
-        "ceiling": Config(
-            "colifs, both drives (defaults), drives without limit", ["--weights", w], 128, unlimited=True
-        ),
-        "ceilingfast": Config(
-            "colifs, fast drive only (defaults), drives without limit", [], 128, drives=1, unlimited=True
-        ),
         "mirror": Config(f"the engine's own mirror, both drives ({w})", None, 128, mirror=True),
     }
+    # The mount's ceiling on this machine: `defaults` and `fastonly` with the drives without limit
+    # from before the mount (its probe sees them so) to its unmount, so only the served path's own
+    # cost (the daemon, the kernel's copies into the page cache, the rig's drive servers) holds the
+    # engine back. No read policy gets more out of drives that have limits.
+    for name, of in (("ceiling", "defaults"), ("ceilingfast", "fastonly")):
+        named[name] = named[of]._replace(label=f"{named[of].label}, drives without limit", unlimited=True)
     return [named[name] for name in names.split(",")]
 
 
