@@ -365,9 +365,9 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config], ref
     """One read mode's table: each configuration against the fast drive read directly (the best
     direct* configuration of this mode) and colifs on the fast drive alone, where they ran."""
     median = {c.label: statistics.median(x["decode_tok_s"] for x in by[c.label]) for c in configs}
-    direct = [median[c.label] for c in configs if c.flags is None and not c.mirror]
+    direct = [median[c.label] for c in configs if c.baseline]
     best = max(direct) if direct else None
-    alone = next((median[c.label] for c in configs if c.drives == 1 and c.flags is not None), None)
+    alone = next((median[c.label] for c in configs if c.alone), None)
     print(f"\nreads {mode} (DIRECT={MODES[mode]}):")
     print(f"{'configuration':<44} {'decode tok/s':>13} {'(min-max)':>13} {'vs fast directly':>17} "
           f"{'vs colifs fast only':>20} {'tokens equal':>13} {'hit %':>6} {'loads/token':>12} "

@@ -53,6 +53,16 @@ class Config(NamedTuple):
     mirror: bool = False  # no colifs: the engine reads both drives itself (its own mirror, MIRROR_CONFIGS)
     unlimited: bool = False  # the drives with no latency and no rate limit for this run (Rig.unlimited)
 
+    @property
+    def baseline(self) -> bool:
+        """The fast drive read directly, limits on: what every ratio is of."""
+        return self.flags is None and not self.mirror and not self.unlimited
+
+    @property
+    def alone(self) -> bool:
+        """colifs over the fast drive only, limits on: the other column ratios are of."""
+        return self.flags is not None and self.drives == 1 and not self.unlimited
+
 
 CONFIGS = (
     "direct32",
@@ -75,6 +85,7 @@ CONFIGS = (
     "stripe",
     "ceiling",
     "ceilingfast",
+    "ceilingdirect",
 )
 # Only for an engine that can read a mirror itself (Colibrì's COLI_MODEL_MIRROR): `rig_arguments`'
 # `known`. Not in CONFIGS, whose engines would read the fast drive alone under that name.
@@ -158,8 +169,10 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
     # The mount's ceiling on this machine: `defaults` and `fastonly` with the drives without limit
     # from before the mount (its probe sees them so) to its unmount, so only the served path's own
     # cost (the daemon, the kernel's copies into the page cache, the rig's drive servers) holds the
-    # engine back. No read policy gets more out of drives that have limits.
-    for name, of in (("ceiling", "defaults"), ("ceilingfast", "fastonly")):
+    # engine back. No read policy gets more out of drives that have limits. `ceilingdirect`, the fast
+    # drive read directly without limit, is the engine's own: what is between it and `ceiling` is
+    # the mount's cost.
+    for name, of in (("ceiling", "defaults"), ("ceilingfast", "fastonly"), ("ceilingdirect", "direct128")):
         named[name] = named[of]._replace(label=f"{named[of].label}, drives without limit", unlimited=True)
     return [named[name] for name in names.split(",")]
 

@@ -126,7 +126,7 @@ def _print_results(
     )
     for loader, by in results.items():
         ref = by[chosen[0][0]][0]["crc"]
-        fastest = min(statistics.median(x["load_s"] for x in by[c[0]]) for c in chosen if c[1] is None)
+        fastest = min(statistics.median(x["load_s"] for x in by[c[0]]) for c in chosen if c.baseline)
         print(f"\n{loader}:")
         print(f"{'configuration':<42} {'load s':>7} {'(min-max)':>13} {'speed-up':>9} {'weights equal':>14} "
               f"{'daemon GB':>10} {'CPU s':>6} {'CPU s/GB':>9} {'slow share':>11} "

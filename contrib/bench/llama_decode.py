@@ -163,11 +163,9 @@ def _print_mode(mode: str, by: dict[str, list[dict]], configs: list[Config]) -> 
     colifs on the fast drive alone."""
     ref_text = by[configs[0].label][0]["text"]
     median = {c.label: statistics.median(x["decode_tok_s"] for x in by[c.label]) for c in configs}
-    best = max(median[c.label] for c in configs if c.flags is None)
-    alone = next((median[c.label] for c in configs if c.drives == 1), None)
-    fastest_load = min(
-        statistics.median(x["load_s"] for x in by[c.label]) for c in configs if c.flags is None
-    )
+    best = max(median[c.label] for c in configs if c.baseline)
+    alone = next((median[c.label] for c in configs if c.alone), None)
+    fastest_load = min(statistics.median(x["load_s"] for x in by[c.label]) for c in configs if c.baseline)
     print(f"\nload mode {mode}:")
     print(f"{'configuration':<42} {'decode tok/s':>13} {'(min-max)':>13} {'vs best direct':>15} "
           f"{'vs colifs fast only':>20} {'prompt tok/s':>13} {'load s':>7} {'load speed-up':>14} "
