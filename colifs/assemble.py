@@ -362,6 +362,7 @@ class _Parts:
             rates=self.routing.probed_rates(),
             passthrough=cfg.passthrough,
             queue_routing=cfg.routing == "queue",
+            direct_reads=cfg.direct_reads,
         )
         adaptive = self._adaptive(counters.activity, engine.set_weights, tuning, engine.set_speeds)
         reloader = self._reloader(stats, engine.set_copy, engine.set_weights, engine, ns.tensors.forget)

@@ -47,6 +47,9 @@ class MountConfig:
     # native engine: page-cache opens read by the kernel from the primary: "always", "never", or
     # "auto": those of files no mirror holds while the drives need no reads ahead (colifs.depth)
     passthrough: str = "auto"
+    # native engine: read calls of page-cache opens reach the daemon as they are (FUSE direct I/O;
+    # mappings still use the page cache) and are cached by the drives' own page caches
+    direct_reads: bool = False
     store_roots: list[str] = field(default_factory=list)  # symlinks into these are served as files
     revision: str = "main"  # the snapshot a Hugging Face cache repository directory serves
     engine: str = "native"  # or "pyfuse3": the portable reference engine
@@ -100,6 +103,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         routing=routing,
         fill_mib=args.fill_mib,
         passthrough=args.passthrough,
+        direct_reads=args.direct_reads,
         store_roots=args.store_root,
         revision=args.revision,
         engine=args.engine,
@@ -143,6 +147,8 @@ def _check_choices(args: argparse.Namespace) -> None:
         raise UsageError("--routing queue needs the native engine (--engine native)")
     if args.passthrough == "always" and args.engine != "native":
         raise UsageError("--passthrough needs the native engine (--engine native)")
+    if args.direct_reads and args.engine != "native":
+        raise UsageError("--direct-reads needs the native engine (--engine native)")
 
 
 def mount_options(allow_other: bool, extra: Sequence[str]) -> list[str]:

@@ -86,6 +86,8 @@ FILLS = (
     "requests_run_on",
     "leads_followed",
     "fills_from_first_page",
+    "read_call_bytes",
+    "bytes_dropped_unasked",
 )
 
 # native/engine.h PT_NEVER, PT_AUTO, PT_ALWAYS (colifs.config.MountConfig.passthrough).
@@ -96,6 +98,7 @@ PASSTHROUGH = (
     "page_cache_opens_passed_through",
     "page_cache_opens_served",
     "file_opens_now",
+    "direct_reads_at_init",
 )
 
 
@@ -259,6 +262,7 @@ class NativeEngine:
         rates: Sequence[float | None] = (),
         passthrough: str = "never",
         queue_routing: bool = False,
+        direct_reads: bool = False,
     ) -> None:
         self.replicas: list[Replica] = ns.replicas
         if len(self.replicas) > MAX_REPLICAS:
@@ -309,6 +313,7 @@ class NativeEngine:
             fill_mib=fill_mib,
             passthrough=PASSTHROUGH_MODES.index(passthrough),
             queue_routing=queue_routing,
+            direct_reads=direct_reads,
         )
         self.passthrough = passthrough
         self._decide_depth(first=True)
@@ -381,6 +386,9 @@ class NativeEngine:
     ) -> None:
         if kind == _native.EV_NO_DIRECT:
             log.warning("%s: its filesystem refuses O_DIRECT; reading it buffered", text)
+            return
+        if kind == _native.EV_NO_DIRECT_READS:
+            log.warning("--direct-reads: %s; read calls go through the page cache", text)
             return
         if kind == _native.EV_NO_PASSTHROUGH:
             if self.passthrough == "always":

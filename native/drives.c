@@ -32,6 +32,7 @@ typedef struct job {
     drive_t *dg;   /* the drive's generation in force then: its directory, its calls, its queue */
     int usable;    /* 0: a reload took the copy out after the request was planned: not read */
     int waited;    /* counted in waiting.pending until done or given up on (under p->m) */
+    int via_cache; /* a read call's: through the drive's page cache (reading_t) */
     char what[200];
     struct job *next;
 } job_t;
@@ -119,6 +120,30 @@ static ssize_t pread_full(int fd, char *dst, size_t len, uint64_t off, int direc
             break; /* end of file (an O_DIRECT read is short only there) */
     }
     return (ssize_t)got;
+}
+
+/* pread_full, for a read call (direct_reads, fs.c) through the drive's page cache: the mount's
+ * page cache keeps no read call's bytes, the drive's keeps them for the next call, in its large
+ * folios. From an O_DIRECT descriptor, through a descriptor of the same file opened again without
+ * O_DIRECT (/proc/self/fd: the same inode whatever its path is now), for this read only: the
+ * caller's hold on fd keeps it open meanwhile. */
+static ssize_t pread_via_cache(int fd, char *dst, size_t len, uint64_t off, int direct) {
+    if (!direct)
+        return pread_full(fd, dst, len, off, 0);
+    char path[32];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    int again = open(path, O_RDONLY | O_CLOEXEC);
+    if (again < 0)
+        return pread_full(fd, dst, len, off, direct);
+    ssize_t got = pread_full(again, dst, len, off, 0);
+    int err = errno;
+    close(again);
+    errno = err;
+    return got;
+}
+
+static ssize_t pread_as(int fd, char *dst, size_t len, uint64_t off, int direct, int via_cache) {
+    return via_cache ? pread_via_cache(fd, dst, len, off, direct) : pread_full(fd, dst, len, off, direct);
 }
 
 static int same_identity(int fd, const ident_t *want, char *what, size_t n) {
@@ -525,7 +550,7 @@ static void run_job(engine_t *e, job_t *j) {
     }
     drive_active(e, j->dg, 1);
     call_begin(j->dg);
-    j->got = pread_full(fd, j->dst, j->len, j->off, j->f->direct[j->drive]);
+    j->got = pread_as(fd, j->dst, j->len, j->off, j->f->direct[j->drive], j->via_cache);
     int err = errno;
     drive_active(e, j->dg, -1);
     if (j->got < 0) {
@@ -1252,7 +1277,7 @@ static void read_primary(engine_t *e, file_t *f, piece_t *pc, const reading_t *h
     if (!queued)
         atomic_fetch_add(&e->queued[0], len);
     drive_active(e, NULL, 1);
-    pc[i].got = pread_full(atomic_load(&f->fd[0]), pc[i].dst, len, pc[i].start, f->direct[0]);
+    pc[i].got = pread_as(atomic_load(&f->fd[0]), pc[i].dst, len, pc[i].start, f->direct[0], how->via_cache);
     pc[i].err = pc[i].got < 0 ? errno : 0;
     drive_active(e, NULL, -1);
     atomic_fetch_sub(&e->queued[0], len);
@@ -1318,7 +1343,7 @@ void note_timeout(engine_t *e, notes_t *nt, int drive, uint64_t off) {
 /* The mirror pieces' jobs, queued on their drives. Each job holds the file open until it is done:
  * a reading that gives up on a late job may release the file meanwhile, and a descriptor closed
  * under the job could be reused by any other open (a /dev/fuse clone, say) before its pread. */
-static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p, size_t nm, int waited) {
+static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p, size_t nm, const reading_t *how) {
     pthread_mutex_lock(&f->lock);
     f->refs += (int)nm;
     size_t j = 0;
@@ -1331,7 +1356,7 @@ static void hand_out(engine_t *e, file_t *f, piece_t *pc, size_t n, pending_t *p
         pc[i].gen = gen;
         p->jobs[j++] = (job_t){.p = p, .f = f, .drive = d, .run = (int)i, .dst = pc[i].dst,
                                .off = pc[i].start, .len = pc[i].end - pc[i].start,
-                               .want = f->ident[d], .gen = gen, .waited = waited,
+                               .want = f->ident[d], .gen = gen, .waited = how->waited, .via_cache = how->via_cache,
                                .usable = (atomic_load(&f->mask) >> d) & 1u,
                                .dg = atomic_load(&e->drives[d])};
     }
@@ -1392,7 +1417,7 @@ static int read_mirrors(engine_t *e, file_t *f, piece_t *pc, size_t n, const rea
     if (how->waited)
         wait_for(e, pc, n);
     if (p)
-        hand_out(e, f, pc, n, p, nm, how->waited);
+        hand_out(e, f, pc, n, p, nm, how);
     int inline_pieces = 0;
     for (size_t i = 0; i < n; i++) {
         if (!pc[i].drive) {
@@ -1497,7 +1522,8 @@ int read_piece_here(engine_t *e, file_t *f, piece_t *pc, const reading_t *how, n
     f->jobs[d]++;
     job_t j = {.f = f, .drive = d, .dst = pc->dst, .off = pc->start, .len = pc->end - pc->start,
                .want = f->ident[d], .gen = atomic_load(&f->copy_gen[d]),
-               .usable = (atomic_load(&f->mask) >> d) & 1u, .dg = atomic_load(&e->drives[d])};
+               .usable = (atomic_load(&f->mask) >> d) & 1u, .dg = atomic_load(&e->drives[d]),
+               .via_cache = how->via_cache};
     pthread_mutex_unlock(&f->lock);
     pc->gen = j.gen;
     drive_t *g = j.dg; /* its share of the slot's gauges is its generation's, as submit keeps it */
@@ -1564,23 +1590,23 @@ static void reply_valid(fuse_req_t req, const piece_t *pc, size_t n, const char 
 /* Plan [off, asked) into runs of one drive each, read them (the mirrors' on their threads, the
  * primary's here), fall back where a mirror failed, reply. An errno if no reply was sent. */
 static int read_and_reply(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked,
-                          int primary_only, int cached, request_mem_t *mem, piece_t *pc, notes_t *nt) {
+                          int primary_only, int kind, request_mem_t *mem, piece_t *pc, notes_t *nt) {
     uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
     size_t n = plan_runs(e, f, start, asked, stop, off, primary_only ? PLAN_PRIMARY : 0, pc);
     for (size_t i = 0; i < n; i++)
         pc[i].dst = mem->buf + (pc[i].start - start);
-    /* An O_DIRECT reader waits for this request; a page-cache reader's readahead may not (it
-     * hides a slow drive's latency): only the first say which drive holds readers up. */
-    int waited = !cached && !primary_only && (usable(e, f) >> 1) != 0;
+    /* An O_DIRECT reader or a read call waits for this request; a page-cache reader's readahead
+     * may not (it hides a slow drive's latency): only the first say which drive holds readers up. */
+    int waited = kind != READ_CACHED && !primary_only && (usable(e, f) >> 1) != 0;
     reading_t how = {.abandon = relocate, .release = release_buffer, .arg = mem, .reread_timeouts = 1,
-                     .count_from = off, .count_to = asked, .waited = waited};
+                     .count_from = off, .count_to = asked, .waited = waited, .via_cache = kind == READ_CALL};
     int err = read_pieces(e, f, pc, n, &how, nt); /* mem->buf: another one if mirror pieces timed out */
     if (!err)
         reply_valid(req, pc, n, mem->buf, start, off, asked);
     return err;
 }
 
-void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offset, int cached) {
+void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offset, int kind) {
     uint64_t off = (uint64_t)offset, asked = min_u64(off + size, f->size);
     if (off >= asked) {
         fuse_reply_buf(req, NULL, 0);
@@ -1589,7 +1615,9 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     size_t fi = (size_t)(f - e->files);
     atomic_fetch_add(&e->ctr.file_bytes[fi], asked - off);
     atomic_fetch_add(&e->ctr.file_reads[fi], 1);
-    int via = cached ? fill_serve(e, req, f, off, asked) : 0;
+    if (kind == READ_CALL)
+        atomic_fetch_add(&e->ctr.fill[18], asked - off);
+    int via = kind != READ_DIRECT ? fill_serve(e, req, f, off, asked, kind == READ_CALL) : 0;
     if (via > 0)
         return; /* answered from a fill (fill.c) */
     uint64_t start = align_down_u64(off), stop = align_up_u64(asked);
@@ -1600,7 +1628,7 @@ void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t offse
     notes_t nt;
     nt.n = 0;
     /* via < 0: a fill's piece failed or is late, so the primary reads it all */
-    int err = pc && mem.buf ? read_and_reply(e, req, f, off, asked, via < 0, cached, &mem, pc, &nt) : ENOMEM;
+    int err = pc && mem.buf ? read_and_reply(e, req, f, off, asked, via < 0, kind, &mem, pc, &nt) : ENOMEM;
     if (err)
         fuse_reply_err(req, err);
     send_notes(e, f, &nt); /* after the reply: Python takes its time */

@@ -59,6 +59,7 @@ enum event_kind {
     EV_NO_FDS,            /* a mirror copy could not be opened for want of descriptors */
     EV_NO_PASSTHROUGH,    /* the kernel refused passthrough: page-cache opens are served */
     EV_PRIMARY_CHANGED,   /* the primary's file is not the one mounted: its opens fail (EIO) */
+    EV_NO_DIRECT_READS,   /* the kernel cannot map direct-I/O opens: read calls use the page cache */
 };
 
 /* What a copy must still be (fstat): the ctime too, as user space cannot set it back (a copy
@@ -197,6 +198,7 @@ typedef struct {
     int reread_timeouts; /* timed-out pieces too are read from the primary (abandon moved them) */
     int waited;          /* an O_DIRECT reader waits for all of it, and it may use several drives:
                             its pieces count in the drives' time alone (drives.c waiting_on) */
+    int via_cache;       /* a read call's bytes: read through the drives' page caches (fs.c) */
     uint64_t count_from, count_to;
 } reading_t;
 
@@ -285,12 +287,16 @@ typedef struct {
                                              started no fill: they ran on from another key's read,
                                              [16] leads a reader went on into: the rest started,
                                              [17] fills begun on an expert's first page: the rest
-                                             of the expert from the start, no lead */
+                                             of the expert from the start, no lead, [18] bytes
+                                             read calls asked for (direct_reads), [19] bytes a
+                                             read call's fill read that no call asked for in
+                                             HOLD_NS: dropped */
     _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
                                              offered it), [1] page-cache opens passed through, [2]
                                              page-cache opens served (their file was open for served
                                              reads, or refused), [3] file opens now (released:
-                                             the kernel's RELEASE, which follows close() a moment later) */
+                                             the kernel's RELEASE, which follows close() a moment later),
+                                             [4] 1 once direct reads were asked for at INIT (fs.c) */
 } counters_t;
 
 typedef struct engine {
@@ -317,7 +323,10 @@ typedef struct engine {
     int queue_routing;         /* each piece to the drive that reads it first (drives.c quickest) */
     _Atomic uint64_t queued[MAX_REPLICAS]; /* bytes handed to each drive and not read yet */
     _Atomic uint64_t speed[MAX_REPLICAS];  /* bytes/s each drive delivered lately (Python measures; 0: not known) */
-    _Atomic uint64_t pt_init_unique; /* the INIT request, if it offered passthrough */
+    int direct_reads;          /* read calls of page-cache opens come here as they are (fs.c) */
+    _Atomic int reads_direct;  /* the kernel lets such opens be mapped: direct_reads in force */
+    _Atomic uint64_t init_unique; /* the INIT request, if it offered what the mount asks for */
+    _Atomic uint32_t init_offered; /* its flags2 */
     _Atomic int pt_refused;    /* the kernel refused a backing file: never asked again */
 
     node_t *nodes;             /* sorted by ino */
@@ -409,7 +418,10 @@ int drive_renew(engine_t *e, int d, const char *root, uint32_t *retired);
 int drive_calls(engine_t *e, int d, uint32_t number); /* threads in a call on that generation now */
 void drives_stop(engine_t *e);
 void drives_free(engine_t *e); /* with the engine, once no thread of ours runs */
-void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int cached);
+/* What a read request is: an O_DIRECT reader's, the page cache's (readahead, a fault), or a read
+ * call of a page-cache open the kernel passed on as it is (direct_reads: fs.c). */
+enum { READ_DIRECT, READ_CACHED, READ_CALL };
+void serve_read(engine_t *e, fuse_req_t req, file_t *f, size_t size, off_t off, int kind);
 size_t runs_bound(const file_t *f, uint64_t start, uint64_t end);
 int quickest_drive(engine_t *e, file_t *f); /* drives.c: for a piece a request waits for, or -1 */
 enum { PLAN_PRIMARY = 1, PLAN_KEYS_LATER = 2 }; /* plan_runs' how: all on the primary; count no key */
@@ -444,7 +456,7 @@ void fill_pause(engine_t *e, int paused);
 void fill_free_arena(engine_t *e); /* after the loop */
 /* 1: answered from a fill; 0: not in one (serve it); -1: in one whose piece failed or is late
  * (read it from the primary). */
-int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked);
+int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked, int call);
 int file_open(engine_t *e, file_t *f);
 /* f->lock held. A first open (refs 0) opens the primary, refused (EIO) if it is not the file
  * mounted; that is noted in nt once per file, for send_notes once the lock is dropped. */
@@ -476,7 +488,8 @@ size_t view_cached(const file_t *f, uint64_t a, uint64_t b, unsigned char *vec);
 
 /* passthrough.c */
 enum { PT_NEVER, PT_AUTO, PT_ALWAYS };
-int passthrough_setup(engine_t *e); /* after fuse_session_mount; 0 or an errno */
+/* After fuse_session_mount, if passthrough or direct_reads may be asked for at INIT: 0 or an errno. */
+int passthrough_setup(engine_t *e);
 /* A kernel open of f: whether it passes through (*backing_id > 0, for passthrough_reply_next) or is
  * served; either holds a descriptor reference (file_open). 0 or an errno. */
 int file_open_kernel(engine_t *e, file_t *f, int cached, int32_t *backing_id);

@@ -15,8 +15,15 @@
  * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
  * embedding table is read a few rows at a time.
  *
+ * With direct reads (--direct-reads, fs.c) a read call's request starts a held fill: the calls
+ * after it do not look in the page cache, so its pieces are never stored; each waits for the calls
+ * that ask for its pages, and the fill expires HOLD_NS after it began: what no call asked for by
+ * then is dropped (the store thread, idle, sweeps every HOLD_NS, as does every request). Its pieces
+ * are read through the drives' page caches, which keep them for the next calls.
+ *
  * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every
- * fill's refs, left, lead and retry, and every piece's state and asked pages. A piece's bytes are
+ * fill's refs, left, lead, retry and expired (held and born are set before it is listed), and every
+ * piece's state and asked pages. A piece's bytes are
  * written by its drive thread while it is P_READING and read (by a reply or a store) only once it
  * is P_LANDED. Stores run on a thread of their own: a store waits for the page locks of a kernel
  * request in flight over the same pages, and a request's answer waits only for drive threads,
@@ -42,6 +49,7 @@
 #define RUN_ON_NS (200ull * 1000000) /* a request this soon after the read it follows may run on from it */
 #define RUN_ON_REACH (512u << 10)     /* the kernel's readahead runs on at most two windows (2 x 256 KiB) */
 #define FILL_LEAD (1u << 20)          /* what a fill for an expert reads past its request at first */
+#define HOLD_NS (100ull * 1000000)    /* a read call's fill waits this long for the calls after it */
 
 enum { P_QUEUED, P_READING, P_LANDED, P_FAILED };
 
@@ -66,6 +74,11 @@ typedef struct fill {
     uint64_t from; /* where its request began */
     int lead;      /* it reads a lead: once a reader asks RUN_ON_REACH away from `from`, the rest */
     size_t retry;  /* a lead the arena had no room to follow: tried again once it has this many free */
+    int held;      /* started by a read call (direct_reads): its pieces wait for the calls after it,
+                      never stored (those calls do not look in the page cache), read through the
+                      drives' page caches (which keep them for the next calls), until it expires */
+    int expired;   /* HOLD_NS after born: what no call asked for is dropped */
+    uint64_t born;
     fpiece_t *p;    /* range by range, in plan_ranges' order */
     struct fill *next;
 } fill_t;
@@ -188,14 +201,76 @@ static int orphaned_locked(const engine_t *e, const fpiece_t *p) {
     return p->state == P_READING && p->rdrive > 0 && p->rgen != e->fills.rgen[p->rdrive];
 }
 
+/* The bytes of a landed piece's pages no request asked for. */
+static uint64_t unasked_bytes(const fpiece_t *p) {
+    return (uint64_t)__builtin_popcountll(~p->asked & pages_of(p)) * BLOCK;
+}
+
+/* Read calls' fills that have waited HOLD_NS (all of them, once the fills stop): what no call asked
+ * for is dropped (a call finds it in the drives' page caches), and so is what lands from now on.
+ * Those whose last reference that was go into gone (at most cap; more wait for the next sweep), to
+ * be freed once the lock is dropped. */
+static size_t expire_locked(engine_t *e, fill_t **gone, size_t cap) {
+    uint64_t now = mono_ns();
+    size_t n = 0;
+    for (fill_t *x = e->fills.list, *next; x && n < cap; x = next) {
+        next = x->next;
+        if (!x->held || x->expired || (now - x->born < HOLD_NS && !e->fills.stop))
+            continue;
+        x->expired = 1;
+        x->refs++; /* its pieces' may be the last */
+        for (size_t i = 0; i < x->n; i++) {
+            fpiece_t *p = &x->p[i];
+            if (p->state == P_LANDED && !p->done) {
+                atomic_fetch_add(&e->ctr.fill[19], unasked_bytes(p));
+                piece_done_locked(e, p); /* never the last: this sweep holds one */
+            }
+        }
+        if ((gone[n] = unref_locked(e, x)))
+            n++;
+    }
+    return n;
+}
+
+/* expire_locked, and the fills whose last reference that was freed (the lock dropped meanwhile):
+ * whether there were any. */
+static int expire_now_locked(engine_t *e) {
+    fill_t *gone[MAX_IOV];
+    size_t n = expire_locked(e, gone, MAX_IOV);
+    if (!n)
+        return 0;
+    pthread_mutex_unlock(&e->fills.m);
+    for (size_t i = 0; i < n; i++)
+        fill_free(e, gone[i]);
+    pthread_mutex_lock(&e->fills.m);
+    return 1;
+}
+
+/* The store thread's wait while read calls come direct (their fills are never stored): at most
+ * HOLD_NS, then it expires their fills, which no request may come to do (fill_serve). */
+static void idle_locked(engine_t *e) {
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t); /* fills.store's clock */
+    uint64_t ns = (uint64_t)t.tv_nsec + HOLD_NS;
+    t.tv_sec += (time_t)(ns / 1000000000ull);
+    t.tv_nsec = (long)(ns % 1000000000ull);
+    pthread_cond_timedwait(&e->fills.store, &e->fills.m, &t);
+    expire_now_locked(e);
+}
+
+
 /* The next piece for w, or NULL once the fills stop or w's generation is retired. */
 static fpiece_t *pop_locked(engine_t *e, const fill_worker_t *w) {
     int d = w->drive;
     fpiece_t **head = d < 0 ? &e->fills.store_head : &e->fills.head[d];
     fpiece_t **tail = d < 0 ? &e->fills.store_tail : &e->fills.tail[d];
     pthread_cond_t *c = d < 0 ? &e->fills.store : &e->fills.work[d];
-    while (!*head && !e->fills.stop && !retired_locked(e, w))
-        pthread_cond_wait(c, &e->fills.m);
+    while (!*head && !e->fills.stop && !retired_locked(e, w)) {
+        if (d < 0 && e->direct_reads) /* asked for (reads_direct: once INIT is answered) */
+            idle_locked(e);
+        else
+            pthread_cond_wait(c, &e->fills.m);
+    }
     if (retired_locked(e, w))
         return NULL; /* what is queued is the new generation's */
     fpiece_t *p = *head;
@@ -207,24 +282,15 @@ static fpiece_t *pop_locked(engine_t *e, const fill_worker_t *w) {
     return p;
 }
 
-/* Read one piece on this thread (a mirror's checked, and read again from the primary if it
- * failed), then hand it to whoever waits for it, or to the store thread. */
-static void read_one(engine_t *e, fpiece_t *p) {
+/* A piece just read (fills.m held): it waits for the read calls after the one that started its fill
+ * (held: answer_locked), goes to the store thread (the pages no request asked for, while the fills
+ * run), or is done; the fill, if that was its last reference. */
+static fill_t *landed_locked(engine_t *e, fpiece_t *p) {
     fill_t *fl = p->fl;
-    file_t *f = fl->f; /* of e->files: it outlives the fill, which may be gone once the piece is handed on */
-    notes_t nt;
-    nt.n = 0;
-    reading_t how = {.count_from = p->pc.start, .count_to = p->pc.end};
-    int err = read_piece_here(e, f, &p->pc, &how, &nt);
-    uint64_t want = min_u64(p->pc.end, f->size) - p->pc.start;
-    pthread_mutex_lock(&e->fills.m);
-    p->state = !err && (uint64_t)p->pc.got == want ? P_LANDED : P_FAILED;
-    if (p->state == P_FAILED)
-        atomic_fetch_add(&e->ctr.fill[14], p->pc.end - p->pc.start);
-    pthread_cond_broadcast(&e->fills.landed);
-    fill_t *gone = NULL;
-    if (p->state == P_LANDED && ~p->asked & pages_of(p) && !e->fills.stop) { /* the store thread
-                                                                                 takes it: it has not ended */
+    int unasked = p->state == P_LANDED && (~p->asked & pages_of(p)) && !e->fills.stop;
+    if (unasked && fl->held && !fl->expired)
+        return NULL;
+    if (unasked && !fl->held) {
         p->next = NULL;
         if (e->fills.store_tail)
             e->fills.store_tail->next = p;
@@ -232,9 +298,29 @@ static void read_one(engine_t *e, fpiece_t *p) {
             e->fills.store_head = p;
         e->fills.store_tail = p;
         pthread_cond_signal(&e->fills.store);
-    } else {
-        gone = piece_done_locked(e, p);
+        return NULL;
     }
+    if (p->state == P_LANDED && fl->held) /* expired: what no call asked for is dropped */
+        atomic_fetch_add(&e->ctr.fill[19], unasked_bytes(p));
+    return piece_done_locked(e, p);
+}
+
+/* Read one piece on this thread (a mirror's checked, and read again from the primary if it
+ * failed), then hand it to whoever waits for it, or to the store thread. */
+static void read_one(engine_t *e, fpiece_t *p) {
+    fill_t *fl = p->fl;
+    file_t *f = fl->f; /* of e->files: it outlives the fill, which may be gone once the piece is handed on */
+    notes_t nt;
+    nt.n = 0;
+    reading_t how = {.count_from = p->pc.start, .count_to = p->pc.end, .via_cache = fl->held};
+    int err = read_piece_here(e, f, &p->pc, &how, &nt);
+    uint64_t want = min_u64(p->pc.end, f->size) - p->pc.start;
+    pthread_mutex_lock(&e->fills.m);
+    p->state = !err && (uint64_t)p->pc.got == want ? P_LANDED : P_FAILED;
+    if (p->state == P_FAILED)
+        atomic_fetch_add(&e->ctr.fill[14], p->pc.end - p->pc.start);
+    pthread_cond_broadcast(&e->fills.landed);
+    fill_t *gone = landed_locked(e, p);
     pthread_mutex_unlock(&e->fills.m);
     send_notes(e, f, &nt); /* not fl->f: a stored piece's fill may be freed by now */
     fill_free(e, gone);
@@ -424,6 +510,10 @@ void fills_stop(engine_t *e) {
         w = next;
     }
     e->fills.nworkers = 0;
+    pthread_mutex_lock(&e->fills.m); /* read calls' fills still waiting for calls: none will come */
+    while (e->fills.list && expire_now_locked(e))
+        ;
+    pthread_mutex_unlock(&e->fills.m);
 }
 
 /* No new fills while memory is short, and the arena's unused units go back to the system. */
@@ -761,7 +851,7 @@ static void queue_locked(engine_t *e, fill_t *fl, uint64_t off, uint64_t asked) 
 
 /* A new fill for a request into key k's extent, listed, its pieces queued; or NULL (*spent, if
  * given: set when the arena had too few units for it). */
-static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams,
+static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams, int held,
                             int *spent) {
     ranges_t *r = malloc(sizeof *r);
     fill_t *fl = calloc(1, sizeof *fl);
@@ -771,7 +861,8 @@ static fill_t *start_locked(engine_t *e, file_t *f, int32_t k, uint64_t off, uin
         return NULL;
     }
     plan_ranges(e, f, k, off, asked, streams, r);
-    *fl = (fill_t){.e = e, .f = f, .key = k, .from = align_down_u64(off), .lead = r->lead};
+    *fl = (fill_t){.e = e, .f = f, .key = k, .from = align_down_u64(off), .lead = r->lead, .held = held,
+                   .born = mono_ns()};
     int ok = r->n && cut(e, fl, r);
     uint64_t bytes = r->total;
     free(r);
@@ -924,9 +1015,13 @@ static int answer_locked(engine_t *e, file_t *f, fuse_req_t req, uint64_t off, u
     fill_t *gone[MAX_IOV];
     size_t ngone = 0;
     pthread_mutex_lock(&e->fills.m);
-    for (size_t i = 0; i < n; i++) /* a fill's last reference is its last piece's here */
-        if ((gone[ngone] = unref_locked(e, ps[i]->fl)))
+    for (size_t i = 0; i < n; i++) { /* a fill's last reference is its last piece's here */
+        fpiece_t *p = ps[i];
+        if (p->fl->held && p->state == P_LANDED && !p->done && !(~p->asked & pages_of(p)))
+            piece_done_locked(e, p); /* held, and every page asked for now: never the last (ours) */
+        if ((gone[ngone] = unref_locked(e, p->fl)))
             ngone++;
+    }
     pthread_mutex_unlock(&e->fills.m);
     for (size_t i = 0; i < ngone; i++)
         fill_free(e, gone[i]);
@@ -1040,7 +1135,7 @@ static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, const
 /* A new fill for the request [off, asked), or NULL: it runs on from another key's read, it is no
  * routed expert's and does not stream through its tensor, a fill reads some of its bytes already,
  * fills are paused or their budget is spent. */
-static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked) {
+static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked, int call) {
     uint64_t now = mono_ns(), head = align_down_u64(off), tail = align_up_u64(asked);
     intent_t it = intent_locked(e, f, head, tail, now);
     if (it.run_on) {
@@ -1052,7 +1147,7 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     fill_t *fl = NULL;
     if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked)) {
         int streams = streamed(e, f, it.key, off, asked);
-        fl = start_locked(e, f, it.key, off, asked, streams != NOT_STREAMED, NULL);
+        fl = start_locked(e, f, it.key, off, asked, streams != NOT_STREAMED, call, NULL);
         if (fl && streams != NOT_STREAMED)
             atomic_fetch_add(&e->ctr.fill[streams == FROM_FIRST_PAGE ? 17 : 16], 1);
     }
@@ -1072,7 +1167,7 @@ static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
         (off < x->from + RUN_ON_REACH && asked + RUN_ON_REACH > x->from))
         return;
     int spent = 0;
-    fill_t *rest = start_locked(e, x->f, x->key, off, asked, 1, &spent); /* listed: it answers now on */
+    fill_t *rest = start_locked(e, x->f, x->key, off, asked, 1, x->held, &spent); /* listed: it answers now on */
     x->lead = spent;
     if (spent)
         x->retry = e->fills.nfree + 1;
@@ -1080,11 +1175,13 @@ static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
         atomic_fetch_add(&e->ctr.fill[16], 1);
 }
 
-int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked) {
+int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t asked, int call) {
     if (!e->fills.budget)
         return 0;
     fpiece_t *ps[MAX_IOV];
     pthread_mutex_lock(&e->fills.m);
+    if (atomic_load(&e->reads_direct))
+        expire_now_locked(e);
     size_t n = covering_locked(e, f, off, asked, ps);
     if (n) {
         for (size_t i = 0; i < n; i++)
@@ -1092,7 +1189,7 @@ int fill_serve(engine_t *e, fuse_req_t req, file_t *f, uint64_t off, uint64_t as
                 grow_locked(e, ps[i]->fl, off, asked);
         return answer_locked(e, f, req, off, asked, ps, n); /* unlocks */
     }
-    n = fill_for_locked(e, f, off, asked) ? covering_locked(e, f, off, asked, ps) : 0;
+    n = fill_for_locked(e, f, off, asked, call) ? covering_locked(e, f, off, asked, ps) : 0;
     if (n)
         return answer_locked(e, f, req, off, asked, ps, n); /* unlocks */
     pthread_mutex_unlock(&e->fills.m);

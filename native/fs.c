@@ -19,6 +19,7 @@ typedef struct {
     char *data; /* control files: the snapshot taken at open */
     size_t len;
     int cached; /* opened without O_DIRECT: its reads fill the page cache (fills answer them) */
+    int calls;  /* such an open whose read calls come here as they are (direct_reads) */
     int passed; /* passed through: the kernel reads the primary itself (passthrough.c) */
     int view;   /* the daemon's own open (view.c), not a reader's */
 } handle_t;
@@ -181,10 +182,16 @@ static int open_file(engine_t *e, fuse_req_t req, file_t *f, handle_t *h, struct
     /* The files are immutable: the page cache stays valid across opens. A passed-through open
      * has none of its own (and the kernel refuses it with FOPEN_KEEP_CACHE). */
     fi->keep_cache = !h->passed;
+    /* Direct reads: a page-cache open's read calls come here as they are (FOPEN_DIRECT_IO), not as
+     * the page cache's 4 KiB pages, which the kernel copies in one at a time and its memory cgroup
+     * reclaims one at a time; what it maps still goes through the page cache (the kernel allows it:
+     * FUSE_DIRECT_IO_ALLOW_MMAP), and its requests carry no lock owner, a read call's do. Not the
+     * daemon's own open (view.c), which maps the file to see its page cache. */
+    h->calls = h->cached && !h->passed && !h->view && atomic_load(&e->reads_direct);
     /* An O_DIRECT open of a file open passed through must pass through too (passthrough.c);
      * FOPEN_DIRECT_IO has its reads come here all the same, read as any O_DIRECT read (the
      * backing file would ask the caller for aligned buffers). */
-    fi->direct_io = h->passed && !h->cached;
+    fi->direct_io = (h->passed && !h->cached) || h->calls;
     return 0;
 }
 
@@ -247,7 +254,8 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, stru
         fuse_reply_buf(req, h->data + (o < h->len ? o : h->len), n < size ? n : size);
         return;
     }
-    serve_read(eng(req), req, h->f, size, off, h->cached);
+    int kind = !h->cached ? READ_DIRECT : h->calls && fi->lock_owner ? READ_CALL : READ_CACHED;
+    serve_read(eng(req), req, h->f, size, off, kind);
 }
 
 static void op_release(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info *fi) {

@@ -338,8 +338,8 @@ static const struct counter_field {
     {"drive_alone_ns", offsetof(counters_t, drive_alone_ns), PER_DRIVE, 1},
     {"drive_spilled", offsetof(counters_t, drive_spilled), PER_DRIVE, 1},
     {"fallbacks", offsetof(counters_t, fallbacks), ONCE, 2},
-    {"fill", offsetof(counters_t, fill), ONCE, 18},
-    {"passthrough", offsetof(counters_t, passthrough), ONCE, 4},
+    {"fill", offsetof(counters_t, fill), ONCE, 20},
+    {"passthrough", offsetof(counters_t, passthrough), ONCE, 5},
     {"key_bytes", offsetof(counters_t, key_bytes), PER_KEY_AND_DRIVE, 1},
     {"key_reads", offsetof(counters_t, key_reads), PER_KEY, 1},
     {"file_bytes", offsetof(counters_t, file_bytes), PER_FILE, 1},
@@ -497,23 +497,23 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"mountpoint", "options", "roots", "direct", "fuse_threads", "drive_threads",
                             "mirror_timeout", "nodes", "children", "files", "nkeys", "counters", "control",
                             "xattr", "listxattr", "event", "routes", "expert_keys", "fill_mib",
-                            "passthrough", "queue_routing", NULL};
+                            "passthrough", "queue_routing", "direct_reads", NULL};
     const char *mnt, *opts;
     PyObject *roots, *nodes, *children, *files, *counters, *calls[4];
     int direct, fuse_threads, drive_threads;
     double timeout;
     Py_ssize_t nkeys;
     Py_ssize_t fill_mib = 0;
-    int passthrough = 0, queue_routing = 0;
+    int passthrough = 0, queue_routing = 0, direct_reads = 0;
     Py_buffer experts = {0}, routes = {0};
     if (self->e.nrep) {
         PyErr_SetString(PyExc_RuntimeError, "Engine is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|y*nip", names, &mnt, &opts, &roots, &direct,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "yyOpiidOOOnOOOOOy*|y*nipp", names, &mnt, &opts, &roots, &direct,
                                      &fuse_threads, &drive_threads, &timeout, &nodes, &children, &files,
                                      &nkeys, &counters, &calls[0], &calls[1], &calls[2], &calls[3], &routes,
-                                     &experts, &fill_mib, &passthrough, &queue_routing))
+                                     &experts, &fill_mib, &passthrough, &queue_routing, &direct_reads))
         return -1;
     own_callbacks(self, calls);
     uint8_t route_bytes[(1 << (MAX_REPLICAS - 1)) * (8 * MAX_REPLICAS + STRIPE_SLOTS)];
@@ -535,6 +535,7 @@ static int Engine_init(EngineObject *self, PyObject *args, PyObject *kw) {
     }
     e->passthrough = passthrough;
     e->queue_routing = queue_routing;
+    e->direct_reads = direct_reads;
     e->fuse_threads = fuse_threads;
     e->drive_threads = drive_threads;
     e->mirror_timeout = timeout;
@@ -565,7 +566,7 @@ static PyObject *Engine_mount(EngineObject *self, PyObject *unused) {
         return NULL;
     }
     self->mounted = 1;
-    if (e->passthrough != PT_NEVER && (res = passthrough_setup(e)) != 0) {
+    if ((e->passthrough != PT_NEVER || e->direct_reads) && (res = passthrough_setup(e)) != 0) {
         errno = res;
         return PyErr_SetFromErrno(PyExc_OSError);
     }
@@ -987,19 +988,27 @@ static int add_constants(PyObject *m) {
         Py_XDECREF(kinds);
         return -1;
     }
-    return PyModule_AddIntConstant(m, "MAX_REPLICAS", MAX_REPLICAS) < 0 ||
-                   PyModule_AddIntConstant(m, "STRIPE_SLOTS", STRIPE_SLOTS) < 0 ||
-                   PyModule_AddIntConstant(m, "NOT_STRIPED", NOT_STRIPED) < 0 ||
-                   PyModule_AddIntConstant(m, "CHUNK", CHUNK) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_MIRROR_FAILED", EV_MIRROR_FAILED) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_MIRROR_CHANGED", EV_MIRROR_CHANGED) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_PRIMARY_FAILED", EV_PRIMARY_FAILED) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_NO_DIRECT", EV_NO_DIRECT) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_NO_FDS", EV_NO_FDS) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH) < 0 ||
-                   PyModule_AddIntConstant(m, "EV_PRIMARY_CHANGED", EV_PRIMARY_CHANGED) < 0
-               ? -1
-               : 0;
+    static const struct {
+        const char *name;
+        int value;
+    } ints[] = {
+        {"MAX_REPLICAS", MAX_REPLICAS},
+        {"STRIPE_SLOTS", STRIPE_SLOTS},
+        {"NOT_STRIPED", NOT_STRIPED},
+        {"CHUNK", CHUNK},
+        {"EV_MIRROR_FAILED", EV_MIRROR_FAILED},
+        {"EV_MIRROR_CHANGED", EV_MIRROR_CHANGED},
+        {"EV_PRIMARY_FAILED", EV_PRIMARY_FAILED},
+        {"EV_NO_DIRECT", EV_NO_DIRECT},
+        {"EV_NO_FDS", EV_NO_FDS},
+        {"EV_NO_PASSTHROUGH", EV_NO_PASSTHROUGH},
+        {"EV_PRIMARY_CHANGED", EV_PRIMARY_CHANGED},
+        {"EV_NO_DIRECT_READS", EV_NO_DIRECT_READS},
+    };
+    for (size_t i = 0; i < sizeof ints / sizeof *ints; i++)
+        if (PyModule_AddIntConstant(m, ints[i].name, ints[i].value) < 0)
+            return -1;
+    return 0;
 }
 
 PyMODINIT_FUNC PyInit__native(void) {

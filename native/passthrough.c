@@ -67,6 +67,7 @@ struct backing_map {
 #define OP_INIT 26
 #define INIT_EXT (1u << 30)
 #define INIT2_PASSTHROUGH (1u << (37 - 32)) /* FUSE_PASSTHROUGH, in flags2 */
+#define INIT2_ALLOW_MMAP (1u << (36 - 32))  /* FUSE_DIRECT_IO_ALLOW_MMAP (Linux 6.6+), in flags2 */
 #define OPEN_PASSTHROUGH (1u << 7)          /* FOPEN_PASSTHROUGH */
 #define IOC_BACKING_OPEN _IOW(229, 1, struct backing_map)
 #define IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
@@ -77,8 +78,8 @@ _Static_assert(sizeof(struct open_out) == 16, "fuse_open_out");
 
 static __thread int32_t open_reply_backing; /* > 0: the open reply this thread writes next passes through */
 
-/* The INIT request: remember it if the kernel offers passthrough (its reply is then changed), say
- * so if it does not. */
+/* The INIT request: remember it and what the kernel offers (its reply then asks for what the mount
+ * wants of that), say so if passthrough is wanted and not offered. */
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
     engine_t *e = userdata;
     ssize_t n = read(fd, buf, len);
@@ -86,15 +87,40 @@ static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
     if (n < (ssize_t)(sizeof *h + sizeof(struct init_in)) || h->opcode != OP_INIT)
         return n;
     const struct init_in *in = (const void *)(h + 1);
-    if ((in->flags & INIT_EXT) && (in->flags2 & INIT2_PASSTHROUGH)) {
-        atomic_store(&e->pt_init_unique, h->unique);
-    } else if (!atomic_exchange(&e->pt_refused, 1)) {
+    uint32_t offered = in->flags & INIT_EXT ? in->flags2 : 0;
+    atomic_store(&e->init_offered, offered);
+    atomic_store(&e->init_unique, h->unique);
+    if (e->passthrough != PT_NEVER && !(offered & INIT2_PASSTHROUGH) && !atomic_exchange(&e->pt_refused, 1)) {
         int saved = errno;
         e->event(e->py, EV_NO_PASSTHROUGH, 0, -1,
                  "the kernel does not offer it (Linux 6.9 or newer with CONFIG_FUSE_PASSTHROUGH)", 0, 0, 0);
         errno = saved;
     }
+    if (e->direct_reads && !(offered & INIT2_ALLOW_MMAP)) {
+        int saved = errno;
+        e->event(e->py, EV_NO_DIRECT_READS, 0, -1, "the kernel cannot map direct-I/O opens (Linux 6.6 or newer)",
+                 0, 0, 0);
+        errno = saved;
+    }
     return n;
+}
+
+/* The INIT reply asks for passthrough and for mapping direct-I/O opens (direct_reads: fs.c) where
+ * the mount wants them and the kernel offered them. */
+static void answer_init(engine_t *e, struct init_out *o) {
+    uint32_t offered = atomic_load(&e->init_offered);
+    if (e->passthrough != PT_NEVER && (offered & INIT2_PASSTHROUGH)) {
+        o->flags |= INIT_EXT;
+        o->flags2 |= INIT2_PASSTHROUGH;
+        o->max_stack_depth = 1; /* the primary's filesystem may not stack on another */
+        atomic_store(&e->ctr.passthrough[0], 1);
+    }
+    if (e->direct_reads && (offered & INIT2_ALLOW_MMAP)) {
+        o->flags |= INIT_EXT;
+        o->flags2 |= INIT2_ALLOW_MMAP;
+        atomic_store(&e->reads_direct, 1);
+        atomic_store(&e->ctr.passthrough[4], 1);
+    }
 }
 
 static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata) {
@@ -103,17 +129,13 @@ static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata) {
     open_reply_backing = 0;
     const struct out_header *h = iov[0].iov_base;
     if (count == 2 && iov[0].iov_len == sizeof *h && h->error == 0) {
-        uint64_t init = atomic_load(&e->pt_init_unique);
+        uint64_t init = atomic_load(&e->init_unique);
         if (backing > 0 && iov[1].iov_len == sizeof(struct open_out)) {
             struct open_out *o = iov[1].iov_base;
             o->open_flags |= OPEN_PASSTHROUGH;
             o->backing_id = backing;
         } else if (init && h->unique == init && iov[1].iov_len == sizeof(struct init_out)) {
-            struct init_out *o = iov[1].iov_base;
-            o->flags |= INIT_EXT;
-            o->flags2 |= INIT2_PASSTHROUGH;
-            o->max_stack_depth = 1; /* the primary's filesystem may not stack on another */
-            atomic_store(&e->ctr.passthrough[0], 1);
+            answer_init(e, iov[1].iov_base);
         }
     }
     return writev(fd, iov, count);

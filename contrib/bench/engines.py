@@ -81,6 +81,8 @@ CONFIGS = (
     "passthrough",
     "passthrough512",
     "threads4",
+    "directreads",
+    "directreadsfast",
     "expert",
     "stripe",
     "ceiling",
@@ -162,6 +164,11 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
             "colifs, both, --passthrough, drive readahead 512 KiB", ["--weights", w, "--passthrough"], 512
         ),
         "threads4": Config("colifs, both, --fuse-threads 4", ["--weights", w, "--fuse-threads", "4"], 128),
+        # Read calls straight to the daemon, cached by the drives' own page caches (#39).
+        "directreads": Config("colifs, both, --direct-reads", ["--weights", w, "--direct-reads"], 128),
+        "directreadsfast": Config(
+            "colifs, fast drive only, --direct-reads", ["--direct-reads"], 128, drives=1
+        ),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
         "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
         "mirror": Config(f"the engine's own mirror, both drives ({w})", None, 128, mirror=True),

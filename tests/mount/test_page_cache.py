@@ -407,10 +407,13 @@ def test_fills_never_hold_more_than_their_budget(fused, tmp_path: Path, native_o
 
 
 @pytest.mark.daemon_warns("reading from the primary instead", "went down")
-@pytest.mark.parametrize("flags", [(), ("--fill-mib", "0")], ids=["fills", "plain"])
+@pytest.mark.parametrize(
+    "flags", [(), ("--fill-mib", "0"), ("--direct-reads",)], ids=["fills", "plain", "direct-reads"]
+)
 def test_a_mirror_failing_mid_fill_is_read_from_the_primary(tmp_path: Path, native_only, flags) -> None:
     """Errors, short reads and a hang (past --mirror-timeout) on the mirror while page-cache readers
-    go through fills (or without them): every byte the primary's, the failures counted."""
+    go through fills (or without them; or read calls come direct, read through the drives' page
+    caches): every byte the primary's, the failures counted."""
     with through_faultfs(tmp_path, "--mirror-timeout", "1", *flags) as (primary, mnt, control):
         shards = sorted(primary.glob("*.safetensors"))
         for fault in ("ok", "eio", "short", "hang"):

@@ -69,6 +69,7 @@ def test_page_cache_readers_read_the_primary_through_the_kernel(fused, tmp_path:
             "page_cache_opens_passed_through": 3,
             "page_cache_opens_served": 0,
             "file_opens_now": 0,
+            "direct_reads_at_init": 0,
         }
         assert served(m) == 0  # the daemon read nothing: in no per-drive count
 
