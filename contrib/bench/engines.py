@@ -83,6 +83,7 @@ CONFIGS = (
     "threads4",
     "directreads",
     "directreadsfast",
+    "directreadsbuf",
     "expert",
     "stripe",
     "ceiling",
@@ -168,6 +169,11 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
         "directreads": Config("colifs, both, --direct-reads", ["--weights", w, "--direct-reads"], 128),
         "directreadsfast": Config(
             "colifs, fast drive only, --direct-reads", ["--direct-reads"], 128, drives=1
+        ),
+        "directreadsbuf": Config(
+            "colifs, both, --direct-reads --backing-io buffered",
+            ["--weights", w, "--direct-reads", "--backing-io", "buffered"],
+            128,
         ),
         "expert": Config("colifs, both, --routing expert", ["--weights", w, "--routing", "expert"], 128),
         "stripe": Config("colifs, both, --routing stripe", ["--weights", w, "--routing", "stripe"], 128),
