@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -63,8 +64,35 @@ static void call_end(drive_t *g) {
         atomic_fetch_sub(&g->in_calls, 1);
 }
 
+/* Buffered twins of the drives' O_DIRECT descriptors, for read calls (pread_via_cache): twins[fd] is
+ * the twin of descriptor fd, plus 1 (0: none yet). Opened at a read call's first read of fd, closed
+ * just before fd (close_on: every descriptor a reader may hold is closed there, once none can read
+ * it), so a twin lives as long as its descriptor and is found by its number. Process-wide, as
+ * descriptor numbers are. */
+static _Atomic int *twins;
+static size_t ntwins;
+static pthread_once_t twins_once = PTHREAD_ONCE_INIT;
+
+static void make_twins(void) {
+    struct rlimit r;
+    size_t n = getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur != RLIM_INFINITY ? (size_t)r.rlim_cur : 0;
+    n = n > (1u << 20) ? 1u << 20 : n;
+    twins = n ? calloc(n, sizeof *twins) : NULL;
+    ntwins = twins ? n : 0;
+}
+
+static void close_twin(int fd) {
+    pthread_once(&twins_once, make_twins); /* the table is made once, and seen made, before use */
+    if (fd >= 0 && (size_t)fd < ntwins) {
+        int t = atomic_exchange(&twins[fd], 0);
+        if (t)
+            close(t - 1);
+    }
+}
+
 static void close_on(drive_t *g, int fd) {
     call_begin(g);
+    close_twin(fd);
     close(fd);
     call_end(g);
 }
@@ -122,17 +150,53 @@ static ssize_t pread_full(int fd, char *dst, size_t len, uint64_t off, int direc
     return (ssize_t)got;
 }
 
+/* fd opened again without O_DIRECT (/proc/self/fd: the same inode whatever its path is now), or -1. */
+static int reopen_buffered(int fd) {
+    char path[32];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    return open(path, O_RDONLY | O_CLOEXEC);
+}
+
+/* Whether two descriptors are of one file. */
+static int same_file(int a, int b) {
+    struct stat x, y;
+    return fstat(a, &x) == 0 && fstat(b, &y) == 0 && x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+}
+
+/* fd's twin, opened now if it has none yet (the caller's hold on fd keeps both open); -1 if it can
+ * have none (its number is past the table, no descriptor left, another reader's twin came first and
+ * went). A twin of another file, which only a close that missed close_on could leave, is never read
+ * from: it is closed and replaced. */
+static int twin_of(int fd) {
+    pthread_once(&twins_once, make_twins);
+    if (fd < 0 || (size_t)fd >= ntwins)
+        return -1;
+    int t = atomic_load(&twins[fd]);
+    if (t && same_file(fd, t - 1))
+        return t - 1;
+    if (t && atomic_compare_exchange_strong(&twins[fd], &t, 0))
+        close(t - 1); /* of another file: gone, and fd gets its own */
+    t = 0;
+    int fresh = reopen_buffered(fd);
+    if (fresh < 0)
+        return -1;
+    if (atomic_compare_exchange_strong(&twins[fd], &t, fresh + 1))
+        return fresh;
+    close(fresh); /* another reader's came first */
+    return t - 1;
+}
+
 /* pread_full, for a read call (direct_reads, fs.c) through the drive's page cache: the mount's
  * page cache keeps no read call's bytes, the drive's keeps them for the next call, in its large
- * folios. From an O_DIRECT descriptor, through a descriptor of the same file opened again without
- * O_DIRECT (/proc/self/fd: the same inode whatever its path is now), for this read only: the
- * caller's hold on fd keeps it open meanwhile. */
+ * folios. From an O_DIRECT descriptor, through its twin; without one, through a descriptor opened
+ * for this read only, or else O_DIRECT. */
 static ssize_t pread_via_cache(int fd, char *dst, size_t len, uint64_t off, int direct) {
     if (!direct)
         return pread_full(fd, dst, len, off, 0);
-    char path[32];
-    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    int again = open(path, O_RDONLY | O_CLOEXEC);
+    int twin = twin_of(fd);
+    if (twin >= 0)
+        return pread_full(twin, dst, len, off, 0);
+    int again = reopen_buffered(fd);
     if (again < 0)
         return pread_full(fd, dst, len, off, direct);
     ssize_t got = pread_full(again, dst, len, off, 0);

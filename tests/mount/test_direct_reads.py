@@ -109,6 +109,29 @@ def test_a_read_calls_fill_drops_what_no_call_asks_for(fused, tmp_path: Path) ->
             assert f.read(e - s) == want[spans[1][0] : spans[1][0] + e - s]
 
 
+def test_the_drives_files_close_once_the_reader_is_done(fused, tmp_path: Path) -> None:
+    """Read calls read the drives through buffered twins of the daemon's O_DIRECT descriptors: once
+    the reader closed the file and its fills are gone, the daemon holds no descriptor of either
+    drive's file (nothing keeps a mirror's filesystem busy)."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    with mounted(primary, [mirror], tmp_path / "mnt", *DIRECT) as m:
+        pid = m.stats()["pid"]
+
+        def held() -> list[str]:
+            fds = Path(f"/proc/{pid}/fd")
+            links = [os.readlink(p) for p in fds.iterdir() if p.is_symlink()]
+            return [x for x in links if x.startswith((f"{primary}/", f"{mirror}/"))]
+
+        with open(m.path / model.name, "rb") as f:
+            assert f.read() == want
+            assert held(), "read calls hold the drives' files open while the reader does"
+        deadline = time.monotonic() + 10
+        while held() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held() == []
+
+
 def test_without_the_flag_read_calls_go_through_the_page_cache(fused, tmp_path: Path) -> None:
     """The default: read calls are the page cache's, none counted as a read call."""
     primary, mirror, model = fused
