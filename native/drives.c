@@ -164,9 +164,8 @@ static int same_file(int a, int b) {
 }
 
 /* fd's twin, opened now if it has none yet (the caller's hold on fd keeps both open); -1 if it can
- * have none (its number is past the table, no descriptor left, another reader's twin came first and
- * went). A twin of another file, which only a close that missed close_on could leave, is never read
- * from: it is closed and replaced. */
+ * have none (no table, no descriptor left). A twin of another file, which only a close that missed
+ * close_on could leave, is never read from: it is closed and replaced. */
 static int twin_of(int fd) {
     pthread_once(&twins_once, make_twins);
     if (fd < 0 || (size_t)fd >= ntwins)
@@ -188,22 +187,10 @@ static int twin_of(int fd) {
 
 /* pread_full, for a read call (direct_reads, fs.c) through the drive's page cache: the mount's
  * page cache keeps no read call's bytes, the drive's keeps them for the next call, in its large
- * folios. From an O_DIRECT descriptor, through its twin; without one, through a descriptor opened
- * for this read only, or else O_DIRECT. */
+ * folios. From an O_DIRECT descriptor, through its twin (O_DIRECT if it can have none). */
 static ssize_t pread_via_cache(int fd, char *dst, size_t len, uint64_t off, int direct) {
-    if (!direct)
-        return pread_full(fd, dst, len, off, 0);
-    int twin = twin_of(fd);
-    if (twin >= 0)
-        return pread_full(twin, dst, len, off, 0);
-    int again = reopen_buffered(fd);
-    if (again < 0)
-        return pread_full(fd, dst, len, off, direct);
-    ssize_t got = pread_full(again, dst, len, off, 0);
-    int err = errno;
-    close(again);
-    errno = err;
-    return got;
+    int twin = direct ? twin_of(fd) : -1;
+    return twin >= 0 ? pread_full(twin, dst, len, off, 0) : pread_full(fd, dst, len, off, direct);
 }
 
 static ssize_t pread_as(int fd, char *dst, size_t len, uint64_t off, int direct, int via_cache) {

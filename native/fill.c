@@ -246,18 +246,23 @@ static int expire_now_locked(engine_t *e) {
     return 1;
 }
 
+/* The time ns from now on `clock` (a condition variable's), for a timed wait. */
+static struct timespec after_ns(clockid_t clock, uint64_t ns) {
+    struct timespec t;
+    clock_gettime(clock, &t);
+    ns += (uint64_t)t.tv_nsec;
+    t.tv_sec += (time_t)(ns / 1000000000ull);
+    t.tv_nsec = (long)(ns % 1000000000ull);
+    return t;
+}
+
 /* The store thread's wait while read calls come direct (their fills are never stored): at most
  * HOLD_NS, then it expires their fills, which no request may come to do (fill_serve). */
 static void idle_locked(engine_t *e) {
-    struct timespec t;
-    clock_gettime(CLOCK_REALTIME, &t); /* fills.store's clock */
-    uint64_t ns = (uint64_t)t.tv_nsec + HOLD_NS;
-    t.tv_sec += (time_t)(ns / 1000000000ull);
-    t.tv_nsec = (long)(ns % 1000000000ull);
+    struct timespec t = after_ns(CLOCK_REALTIME, HOLD_NS); /* fills.store's clock */
     pthread_cond_timedwait(&e->fills.store, &e->fills.m, &t);
     expire_now_locked(e);
 }
-
 
 /* The next piece for w, or NULL once the fills stop or w's generation is retired. */
 static fpiece_t *pop_locked(engine_t *e, const fill_worker_t *w) {
@@ -926,13 +931,9 @@ static int overlaps_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked)
 }
 
 static int wait_landed_locked(engine_t *e, fpiece_t **ps, size_t n, int *waited) {
-    struct timespec deadline;
-    if (e->mirror_timeout > 0) {
-        clock_gettime(CLOCK_MONOTONIC, &deadline);
-        uint64_t ns = (uint64_t)deadline.tv_nsec + (uint64_t)(e->mirror_timeout * 1e9);
-        deadline.tv_sec += (time_t)(ns / 1000000000ull);
-        deadline.tv_nsec = (long)(ns % 1000000000ull);
-    }
+    struct timespec deadline = {0};
+    if (e->mirror_timeout > 0)
+        deadline = after_ns(CLOCK_MONOTONIC, (uint64_t)(e->mirror_timeout * 1e9)); /* fills.landed's */
     for (;;) {
         int pending = 0;
         for (size_t i = 0; i < n; i++) {

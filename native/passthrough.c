@@ -78,6 +78,14 @@ _Static_assert(sizeof(struct open_out) == 16, "fuse_open_out");
 
 static __thread int32_t open_reply_backing; /* > 0: the open reply this thread writes next passes through */
 
+/* What the mount asked for and the kernel's INIT did not offer, said (errno kept: libfuse reads it
+ * after the read this runs in). */
+static void not_offered(engine_t *e, int kind, const char *why) {
+    int saved = errno;
+    e->event(e->py, kind, 0, -1, why, 0, 0, 0);
+    errno = saved;
+}
+
 /* The INIT request: remember it and what the kernel offers (its reply then asks for what the mount
  * wants of that), say so if passthrough is wanted and not offered. */
 static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
@@ -90,18 +98,11 @@ static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
     uint32_t offered = in->flags & INIT_EXT ? in->flags2 : 0;
     atomic_store(&e->init_offered, offered);
     atomic_store(&e->init_unique, h->unique);
-    if (e->passthrough != PT_NEVER && !(offered & INIT2_PASSTHROUGH) && !atomic_exchange(&e->pt_refused, 1)) {
-        int saved = errno;
-        e->event(e->py, EV_NO_PASSTHROUGH, 0, -1,
-                 "the kernel does not offer it (Linux 6.9 or newer with CONFIG_FUSE_PASSTHROUGH)", 0, 0, 0);
-        errno = saved;
-    }
-    if (e->direct_reads && !(offered & INIT2_ALLOW_MMAP)) {
-        int saved = errno;
-        e->event(e->py, EV_NO_DIRECT_READS, 0, -1, "the kernel cannot map direct-I/O opens (Linux 6.6 or newer)",
-                 0, 0, 0);
-        errno = saved;
-    }
+    if (e->passthrough != PT_NEVER && !(offered & INIT2_PASSTHROUGH) && !atomic_exchange(&e->pt_refused, 1))
+        not_offered(e, EV_NO_PASSTHROUGH,
+                    "the kernel does not offer it (Linux 6.9 or newer with CONFIG_FUSE_PASSTHROUGH)");
+    if (e->direct_reads && !(offered & INIT2_ALLOW_MMAP))
+        not_offered(e, EV_NO_DIRECT_READS, "the kernel cannot map direct-I/O opens (Linux 6.6 or newer)");
     return n;
 }
 
