@@ -146,8 +146,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="native engine, Linux 6.6+: read() calls of page-cache opens reach the daemon as they are "
         "(FUSE direct I/O), not as the mount's page cache asks for pages; the drives' own page caches "
-        "keep what they read. For engines that read experts into their own buffers (Colibrì's "
-        "buffered reads): fewer copies and less CPU per GB. What engines map (llama.cpp, safe_open) "
+        "keep what they read. For engines that read whole experts or tensors into their own buffers "
+        "(Colibrì's buffered reads): fewer copies and less CPU per GB; not for tools that read in "
+        "small buffers (each call is a round trip). What engines map (llama.cpp, safe_open) "
         "still goes through the page cache, which the kernel empties of that file at each new mapping",
     )
     m.add_argument(

@@ -154,7 +154,11 @@ static ssize_t pread_full(int fd, char *dst, size_t len, uint64_t off, int direc
 static int reopen_buffered(int fd) {
     char path[32];
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
-    return open(path, O_RDONLY | O_CLOEXEC);
+    int t = open(path, O_RDONLY | O_CLOEXEC);
+    if (t >= 0) /* no readahead: one twin serves every reader of the file at once, each read is what a
+                   call or a fill asked for (a shared readahead state reads far more, run 81e) */
+        posix_fadvise(t, 0, 0, POSIX_FADV_RANDOM);
+    return t;
 }
 
 /* Whether two descriptors are of one file. */

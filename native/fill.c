@@ -19,7 +19,9 @@
  * after it do not look in the page cache, so its pieces are never stored; each waits for the calls
  * that ask for its pages, and the fill expires HOLD_NS after it began: what no call asked for by
  * then is dropped (the store thread, idle, sweeps every HOLD_NS, as does every request). Its pieces
- * are read through the drives' page caches, which keep them for the next calls.
+ * are read through the drives' page caches, which keep them for the next calls. A call needs no
+ * lead: from an extent's first page it reads the whole expert, from within an extent the rest of
+ * that extent (ONWARD), and a call that crosses into the next extent is for that one.
  *
  * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every
  * fill's refs, left, lead, retry and expired (held and born are set before it is listed), and every
@@ -706,6 +708,12 @@ static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
     return i;
 }
 
+/* How a fill for an expert reads it: a lead (not streamed yet), or the rest of it (a reader read
+ * through a lead, or began on an extent's first page), or, for a read call into an extent mid-way,
+ * only the rest of that extent (ONWARD: what an engine reads into its buffer it reads to the end of
+ * the tensor, and a reader reading a file through reaches the key's other extents much later). */
+enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE, ONWARD };
+
 /* What a fill for a request [off, asked) into key k reads, all less what the page cache holds and
  * what other fills read. Any other tensor a reader streams (each request starting where the last
  * one ended): the request's bytes and the next FILL_MAX of the tensor. A routed expert: the
@@ -716,7 +724,7 @@ static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
  * the extent, the key's extents after it, those before it, and last the part of its own extent
  * before the request (a reader streams forwards, mostly). Of a file also open with O_DIRECT only
  * the extent asked: such an engine reads the expert's weights direct and some of its tensors
- * (scales) through the page cache (Colibri's DIRECT=1). */
+ * (scales) through the page cache (Colibri's DIRECT=1). ONWARD: the rest of the extent asked. */
 static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_t asked, int streams,
                         ranges_t *r) {
     uint64_t a[FILL_RANGES], b[FILL_RANGES];
@@ -741,12 +749,13 @@ static void plan_ranges(engine_t *e, file_t *f, int32_t k, uint64_t off, uint64_
         r->lead = 1;
         return;
     }
-    size_t whole = atomic_load(&f->direct_opens) ? 1 : n;
+    size_t whole = atomic_load(&f->direct_opens) || streams == ONWARD ? 1 : n;
     for (size_t j = 0; j < whole; j++) {
         size_t i = (first + j) % n;
         view_missing(e, f, j ? align_down_u64(a[i]) : tail, align_up_u64(b[i]), r);
     }
-    view_missing(e, f, align_down_u64(a[first]), head, r);
+    if (streams != ONWARD)
+        view_missing(e, f, align_down_u64(a[first]), head, r);
 }
 
 /* Whether [a, b) is all in the page cache (a, b: BLOCK multiples, b - a at most RUN_ON_REACH). */
@@ -758,8 +767,6 @@ static int all_cached(file_t *f, uint64_t a, uint64_t b) {
             return 0;
     return got && got == (b - a) / BLOCK;
 }
-
-enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE };
 
 /* Whether a reader streams through key k's extent at [off, asked), and how: it begins on the
  * extent's first page (FROM_FIRST_PAGE: an engine reading the expert, a buffered read of it or a
@@ -1043,7 +1050,10 @@ static int answer_locked(engine_t *e, file_t *f, fuse_req_t req, uint64_t off, u
  * run-on is followed window by window. A reader that streams on across STREAM_HOPS boundaries
  * between experts (a load reading the file through) wants each next key from its first byte: no
  * run-on (at worst a fill of an expert nobody reads, whole when the request begins on its first
- * page, where an engine's readahead runs on past three experts it read back to back). */
+ * page, where an engine's readahead runs on past three experts it read back to back). A read call
+ * (--direct-reads) is what the engine asked for, never the kernel's readahead: it never runs on,
+ * and is remembered as a stream (a request of the page cache that begins where it ended is no
+ * readahead running on from it either). */
 
 #define STREAM_HOPS 3
 
@@ -1085,9 +1095,22 @@ static uint32_t hops_within_locked(const file_t *f, uint64_t off, int32_t k, uin
     return hops;
 }
 
-/* The key a request [off, asked) (BLOCK multiples) is for. */
-static intent_t intent_locked(const engine_t *e, const file_t *f, uint64_t off, uint64_t asked, uint64_t now) {
+/* The first byte of [off, asked) no listed fill of f reads (asked: all of it is read). */
+static uint64_t uncovered_locked(engine_t *e, const file_t *f, uint64_t off, uint64_t asked) {
+    for (fpiece_t *p; off < asked && (p = piece_at_locked(e, f, off));)
+        off = p->pc.end;
+    return min_u64(off, asked);
+}
+
+/* The key a request [off, asked) (BLOCK multiples) is for. A read call's that a fill reads the start
+ * of: the key of its first byte no fill reads (it crossed into the next expert). */
+static intent_t intent_locked(engine_t *e, const file_t *f, uint64_t off, uint64_t asked, int call,
+                              uint64_t now) {
     int32_t k = key_at(f, off + (asked - off) / 2);
+    if (call) {
+        uint64_t at = uncovered_locked(e, f, off, asked);
+        return (intent_t){.key = at > off ? key_at(f, min_u64(at, asked - 1)) : k, .hops = STREAM_HOPS};
+    }
     if (asked < f->size) { /* the part of a read-around before its fault, at the next expert's first page */
         int32_t next = key_at(f, min_u64(asked + BLOCK, f->size) - 1);
         if (next != key_at(f, asked - 1) && is_expert(e, next))
@@ -1133,12 +1156,33 @@ static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, const
         remember_locked(f, fl->lo, fl->hi, it, now);
 }
 
+/* fill_for_locked's fill for the key it found, remembered: what it reads. */
+static fill_t *start_for_locked(engine_t *e, file_t *f, const intent_t *it, uint64_t off, uint64_t asked,
+                                int call, uint64_t now) {
+    int streams = streamed(e, f, it->key, off, asked);
+    if (call && streams == NOT_STREAMED && is_expert(e, it->key) && !atomic_load(&f->direct_opens))
+        streams = ONWARD;
+    fill_t *fl = start_locked(e, f, it->key, off, asked, streams, call, NULL);
+    if (!fl)
+        return NULL;
+    if (streams == PAST_A_LEAD || streams == FROM_FIRST_PAGE)
+        atomic_fetch_add(&e->ctr.fill[streams == FROM_FIRST_PAGE ? 17 : 16], 1);
+    if (streams == ONWARD) /* what it reads: none of the key's other extents */
+        remember_locked(f, fl->lo, fl->hi, it, now);
+    else
+        remember_fill_locked(e, f, fl, it, now);
+    return fl;
+}
+
 /* A new fill for the request [off, asked), or NULL: it runs on from another key's read, it is no
- * routed expert's and does not stream through its tensor, a fill reads some of its bytes already,
- * fills are paused or their budget is spent. */
+ * routed expert's and does not stream through its tensor, a fill reads some of its bytes already
+ * (a read call's fill then reads the rest: its request's pieces span the two), fills are paused or
+ * their budget is spent. A read call into an expert's extent mid-way reads the rest of it (ONWARD):
+ * an engine reads what it reads into its buffer to the end of the tensor, and no kernel readahead
+ * runs on into it. */
 static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked, int call) {
     uint64_t now = mono_ns(), head = align_down_u64(off), tail = align_up_u64(asked);
-    intent_t it = intent_locked(e, f, head, tail, now);
+    intent_t it = intent_locked(e, f, head, tail, call, now);
     if (it.run_on) {
         atomic_fetch_add(&e->ctr.fill[15], 1);
         remember_locked(f, head, tail, &it, now);
@@ -1146,15 +1190,9 @@ static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t as
     }
     int wanted = is_expert(e, it.key) || (it.key >= 0 && streams_locked(f, head, it.key, now));
     fill_t *fl = NULL;
-    if (wanted && !atomic_load(&e->fills.paused) && !overlaps_locked(e, f, off, asked)) {
-        int streams = streamed(e, f, it.key, off, asked);
-        fl = start_locked(e, f, it.key, off, asked, streams != NOT_STREAMED, call, NULL);
-        if (fl && streams != NOT_STREAMED)
-            atomic_fetch_add(&e->ctr.fill[streams == FROM_FIRST_PAGE ? 17 : 16], 1);
-    }
-    if (fl)
-        remember_fill_locked(e, f, fl, &it, now);
-    else
+    if (wanted && !atomic_load(&e->fills.paused) && (call || !overlaps_locked(e, f, off, asked)))
+        fl = start_for_locked(e, f, &it, off, asked, call, now);
+    if (!fl)
         remember_locked(f, head, tail, &it, now);
     return fl;
 }

@@ -37,6 +37,16 @@ def sh(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip()
 
 
+def clean_up_on_signals() -> None:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt, so that a rig's clean-up (its `finally`) runs."""
+
+    def interrupted(sig: int, _: object) -> None:
+        raise KeyboardInterrupt(signal.Signals(sig).name)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
+
+
 class Rig:
     """Loop devices, filesystems and the cgroup; `close()` undoes whatever was done."""
 
@@ -714,11 +724,7 @@ def main() -> int:
         print(f"dual-drive: {CGROUP_ROOT} is missing (needs cgroup v1 blkio)", file=sys.stderr)
         return 2
 
-    def interrupted(sig: int, _: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(sig).name)  # so that the clean-up below runs
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
+    clean_up_on_signals()
     work = Path(tempfile.mkdtemp(prefix="colifs-dual-"))
     rig = None
     try:

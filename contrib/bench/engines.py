@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
-from dual_drive import COLIFS, TICK, Rig, colifs_mount, cpu_seconds, settle
+from dual_drive import COLIFS, TICK, Rig, clean_up_on_signals, colifs_mount, cpu_seconds, settle
 
 MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 
@@ -331,11 +330,7 @@ def interleaved(
     `args.json` after every run (a failure later loses nothing measured). Cleans up on any exit,
     SIGTERM and SIGHUP included."""
 
-    def interrupted(sig: int, _: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(sig).name)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
+    clean_up_on_signals()
     work = Path(tempfile.mkdtemp(prefix=f"colifs-{prefix}-"))
     rig = cg = None
     try:

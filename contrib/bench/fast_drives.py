@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from dual_drive import CGROUP_ROOT, COLIFS, Rig, bench, cpu_seconds, settle
+from dual_drive import CGROUP_ROOT, COLIFS, Rig, bench, clean_up_on_signals, cpu_seconds, settle
 
 from colifs.synth import write_checkpoint
 
@@ -104,17 +103,19 @@ def main() -> int:
         help="fast-drive speeds of the sweep, the slow drive a third (default 150,...,3000; '' skips it)",
     )
     p.add_argument("--json", metavar="FILE", help="also write every figure to FILE")
+    p.add_argument(
+        "--native-flags",
+        default="",
+        metavar="FLAGS",
+        help="more mount flags for every native-engine mount, e.g. '--direct-reads' (default none)",
+    )
     p.add_argument("--fast-drives", action="store_true", help=argparse.SUPPRESS)  # dual-drive.sh's switch
     args = p.parse_args()
     if os.geteuid() != 0 or not os.path.isdir(CGROUP_ROOT):
         print("fast-drives: needs root and cgroup v1 blkio", file=sys.stderr)
         return 2
 
-    def interrupted(sig: int, _: object) -> None:
-        raise KeyboardInterrupt(signal.Signals(sig).name)
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, interrupted)
+    clean_up_on_signals()
     have_mergerfs = ensure_mergerfs()
     work = Path(tempfile.mkdtemp(prefix="colifs-fast-"))
     rig = None
@@ -159,11 +160,13 @@ def main() -> int:
             with mergerfs(a, mnt) as dm:
                 phase("m", "mergerfs, fast drive alone", [mnt], dm, *n)
                 phase("m1", "mergerfs, fast drive alone, 1 reader", [mnt], dm, *one)
+        native = args.native_flags.split()
         for engine in ("native", "pyfuse3"):
             e = engine[0]
-            with colifs([a], mnt, "--no-probe", "--engine", engine) as dm:
+            more = native if engine == "native" else []
+            with colifs([a], mnt, "--no-probe", "--engine", engine, *more) as dm:
                 phase(f"{e}d", f"colifs {engine}, fast drive alone", [mnt], dm, *n)
-            with colifs([a, b], mnt, "--weights", w, "--engine", engine) as dm:
+            with colifs([a, b], mnt, "--weights", w, "--engine", engine, *more) as dm:
                 phase(f"{e}", f"colifs {engine}, both, --weights {w}", [mnt], dm, *n)
                 phase(f"{e}1", f"colifs {engine}, both, 1 reader", [mnt], dm, *one)
                 if engine == "native":
@@ -184,7 +187,7 @@ def main() -> int:
             sw = f"{fast:g},{slow:g}"
             phase(f"s{fast:g}a", f"sweep {sw}: fast drive directly", [a], None, *n)
             phase(f"s{fast:g}c", f"sweep {sw}: both directly, ideal", [a, b], None, "--weights", sw, *n)
-            with colifs([a, b], mnt, "--weights", sw) as dm:
+            with colifs([a, b], mnt, "--weights", sw, *native) as dm:
                 phase(f"s{fast:g}n", f"sweep {sw}: colifs native, both", [mnt], dm, *n)
         report(args, res, devs, sweep, have_mergerfs)
         if args.json:

@@ -139,3 +139,23 @@ def test_without_the_flag_read_calls_go_through_the_page_cache(fused, tmp_path: 
         assert (m.path / model.name).read_bytes() == model.read_bytes()
         assert m.stats()["passthrough"]["direct_reads_at_init"] == 0
         assert fills_of(m)["read_call_bytes"] == 0
+
+
+def test_a_file_read_through_in_calls_reads_each_extent_once(fused, tmp_path: Path) -> None:
+    """A reader that reads the file through in 1 MiB calls (cp, a checksum, an engine's fread of
+    its tensors) enters each expert's extents mid-way or crosses into them: the call that does
+    starts a fill of the rest of that extent (no lead for the next call to outrun, none of the
+    key's other extents, which such a reader reaches much later), so the fills answer nearly every
+    byte and drop next to nothing (before: half the bytes answered, 46% of what fills read dropped)."""
+    primary, mirror, model = fused
+    want = model.read_bytes()
+    with mounted(primary, [mirror], tmp_path / "mnt", *DIRECT) as m:
+        with open(m.path / model.name, "rb", buffering=0) as f:
+            got = b"".join(iter(lambda: f.read(1 << 20), b""))
+        assert got == want
+        fills = settled(m)
+        extents = 2 * 4 * 3
+        assert 0 < fills["fills_started"] <= extents + 4, fills
+        assert fills["bytes_answered"] >= 0.85 * len(want), fills
+        assert fills["bytes_dropped_unasked"] <= 0.05 * len(want), fills
+        assert fills["bytes_held"] == 0 and fills["bytes_stored"] == 0, fills
