@@ -156,7 +156,8 @@ static int reopen_buffered(int fd) {
     snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
     int t = open(path, O_RDONLY | O_CLOEXEC);
     if (t >= 0) /* no readahead: one twin serves every reader of the file at once, each read is what a
-                   call or a fill asked for (a shared readahead state reads far more, run 81e) */
+                   call or a fill asked for (a readahead state they all share kept the drives busy
+                   with reads nobody asked for, runs 81e-81h) */
         posix_fadvise(t, 0, 0, POSIX_FADV_RANDOM);
     return t;
 }
@@ -190,8 +191,8 @@ static int twin_of(int fd) {
 }
 
 /* pread_full, for a read call (direct_reads, fs.c) through the drive's page cache: the mount's
- * page cache keeps no read call's bytes, the drive's keeps them for the next call, in its large
- * folios. From an O_DIRECT descriptor, through its twin (O_DIRECT if it can have none). */
+ * page cache keeps no read call's bytes, the drive's keeps them for the next call. From an
+ * O_DIRECT descriptor, through its twin (O_DIRECT if it can have none). */
 static ssize_t pread_via_cache(int fd, char *dst, size_t len, uint64_t off, int direct) {
     int twin = direct ? twin_of(fd) : -1;
     return twin >= 0 ? pread_full(twin, dst, len, off, 0) : pread_full(fd, dst, len, off, direct);

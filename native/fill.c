@@ -20,8 +20,9 @@
  * that ask for its pages, and the fill expires HOLD_NS after it began: what no call asked for by
  * then is dropped (the store thread, idle, sweeps every HOLD_NS, as does every request). Its pieces
  * are read through the drives' page caches, which keep them for the next calls. A call needs no
- * lead: from an extent's first page it reads the whole expert, from within an extent the rest of
- * that extent (ONWARD), and a call that crosses into the next extent is for that one.
+ * lead (in a file with no O_DIRECT open): from an extent's first page it reads the whole expert,
+ * from within an extent the rest of that extent (ONWARD); a call whose start a fill reads already
+ * is for the key of its first byte no fill reads (it crossed into the next extent).
  *
  * Lock rules (engine.h, fills): fills.m guards the list, the queues, the arena's free units, every
  * fill's refs, left, lead, retry and expired (held and born are set before it is listed), and every
@@ -711,7 +712,7 @@ static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
 /* How a fill for an expert reads it: a lead (not streamed yet), or the rest of it (a reader read
  * through a lead, or began on an extent's first page), or, for a read call into an extent mid-way,
  * only the rest of that extent (ONWARD: what an engine reads into its buffer it reads to the end of
- * the tensor, and a reader reading a file through reaches the key's other extents much later). */
+ * the extent, and a reader reading a file through reaches the key's other extents much later). */
 enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE, ONWARD };
 
 /* What a fill for a request [off, asked) into key k reads, all less what the page cache holds and
@@ -915,7 +916,8 @@ static fpiece_t *piece_at_locked(engine_t *e, const file_t *f, uint64_t at) {
 }
 
 /* The pieces of f's listed fills over [off, asked), in file order, if they cover it all (a request
- * may span two fills: a lead and the fill it grew into, two experts' leads); their count, or 0. */
+ * may span two fills: a lead and the fill it grew into, two experts' leads, a read call's fill and
+ * the fill that reads its start); their count, or 0. */
 static size_t covering_locked(engine_t *e, const file_t *f, uint64_t off, uint64_t asked, fpiece_t **out) {
     size_t n = 0;
     for (uint64_t at = off; at < asked;) {
@@ -1177,9 +1179,9 @@ static fill_t *start_for_locked(engine_t *e, file_t *f, const intent_t *it, uint
 /* A new fill for the request [off, asked), or NULL: it runs on from another key's read, it is no
  * routed expert's and does not stream through its tensor, a fill reads some of its bytes already
  * (a read call's fill then reads the rest: its request's pieces span the two), fills are paused or
- * their budget is spent. A read call into an expert's extent mid-way reads the rest of it (ONWARD):
- * an engine reads what it reads into its buffer to the end of the tensor, and no kernel readahead
- * runs on into it. */
+ * their budget is spent. A read call into an expert's extent mid-way, in a file with no O_DIRECT
+ * open, reads the rest of it (ONWARD): an engine reads what it reads into its buffer to the end of
+ * the extent, and no kernel readahead runs on into it. */
 static fill_t *fill_for_locked(engine_t *e, file_t *f, uint64_t off, uint64_t asked, int call) {
     uint64_t now = mono_ns(), head = align_down_u64(off), tail = align_up_u64(asked);
     intent_t it = intent_locked(e, f, head, tail, call, now);
@@ -1206,7 +1208,7 @@ static void grow_locked(engine_t *e, fill_t *x, uint64_t off, uint64_t asked) {
         (off < x->from + RUN_ON_REACH && asked + RUN_ON_REACH > x->from))
         return;
     int spent = 0;
-    fill_t *rest = start_locked(e, x->f, x->key, off, asked, 1, x->held, &spent); /* listed: it answers now on */
+    fill_t *rest = start_locked(e, x->f, x->key, off, asked, PAST_A_LEAD, x->held, &spent); /* listed: it answers now on */
     x->lead = spent;
     if (spent)
         x->retry = e->fills.nfree + 1;
