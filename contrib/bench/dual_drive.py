@@ -166,10 +166,25 @@ class Rig:
             img.unlink(missing_ok=True)
 
 
+def colifs_command(tree: str | None = None) -> list[str]:
+    """How a rig runs colifs: this checkout's, or (`tree`) another checkout's, with its native engine
+    built there: an A/B of two builds in one run. The editable install's import hook, which finds
+    this checkout's package before any path, is taken off for it (the daemon forks from it)."""
+    if tree is None:
+        return COLIFS
+    code = (
+        "import runpy, sys; "
+        "sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in getattr(f, '__module__', '')]; "
+        f"sys.path.insert(0, {tree!r}); sys.argv[0] = 'colifs'; "
+        "runpy.run_module('colifs', run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", code]
+
+
 @contextlib.contextmanager
-def colifs_mount(dirs: list[Path], mnt: Path, *flags: str) -> Iterator[dict]:
+def colifs_mount(dirs: list[Path], mnt: Path, *flags: str, tree: str | None = None) -> Iterator[dict]:
     out = subprocess.run(
-        [*COLIFS, "mount", *map(str, dirs), str(mnt), *flags], capture_output=True, text=True
+        [*colifs_command(tree), "mount", *map(str, dirs), str(mnt), *flags], capture_output=True, text=True
     )
     if out.returncode:
         raise RuntimeError(out.stderr)

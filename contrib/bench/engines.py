@@ -51,6 +51,7 @@ class Config(NamedTuple):
     again: bool = False  # measure the engine's second run on the mount (the first one unmeasured)
     mirror: bool = False  # no colifs: the engine reads both drives itself (its own mirror, MIRROR_CONFIGS)
     unlimited: bool = False  # the drives with no latency and no rate limit for this run (Rig.unlimited)
+    tree: str | None = None  # mounted by the colifs of this other checkout (NAME@DIR: an A/B of builds)
 
     @property
     def baseline(self) -> bool:
@@ -95,12 +96,19 @@ MIRROR_CONFIGS = ("mirror",)
 
 
 def config_list(text: str, known: tuple[str, ...] = CONFIGS) -> str:
-    """An argparse type: configuration names, the baseline among them."""
-    unknown = set(text.split(",")) - set(known)
+    """An argparse type: configuration names, the baseline among them; NAME@DIR is NAME mounted by
+    the colifs of the checkout DIR (its native engine built there)."""
+    names = [n.partition("@")[0] for n in text.split(",")]
+    unknown = set(names) - set(known)
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown {', '.join(sorted(unknown))}; known: {', '.join(known)}")
     if not {n for n in known if n.startswith("direct")} & set(text.split(",")):
         raise argparse.ArgumentTypeError("needs a direct configuration: the baseline")
+    for c in configs(1, 1, text):
+        if c.tree and c.flags is None:
+            raise argparse.ArgumentTypeError(f"{c.label}: no colifs mount to take from another checkout")
+        if c.tree and not (Path(c.tree) / "colifs" / "__init__.py").is_file():
+            raise argparse.ArgumentTypeError(f"{c.tree}: no colifs checkout there")
     return text
 
 
@@ -115,7 +123,9 @@ def rig_arguments(p: argparse.ArgumentParser, default_configs: str, known: tuple
         "--configs",
         default=default_configs,
         type=lambda text: config_list(text, known),
-        help=f"the configurations to run, in order (known: {','.join(known)}; default {default_configs})",
+        help=f"the configurations to run, in order (known: {','.join(known)}; default {default_configs}); "
+        "NAME@DIR: NAME mounted by the colifs of the checkout DIR, its native engine built there (an A/B "
+        "of two builds in one run)",
     )
     p.add_argument("--json", metavar="FILE", help="the results, saved after every run")
     p.add_argument("--ram", action="store_true", help="the drive images in /dev/shm (fast drives: 900 + 300)")
@@ -186,7 +196,11 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
     # the mount's cost.
     for name, of in (("ceiling", "defaults"), ("ceilingfast", "fastonly"), ("ceilingdirect", "direct128")):
         named[name] = named[of]._replace(label=f"{named[of].label}, drives without limit", unlimited=True)
-    return [named[name] for name in names.split(",")]
+    chosen = []
+    for name, _, tree in (n.partition("@") for n in names.split(",")):
+        c = named[name]
+        chosen.append(c._replace(label=f"{c.label} ({tree})", tree=tree) if tree else c)
+    return chosen
 
 
 class MemoryCgroup:
@@ -236,12 +250,16 @@ def run_in_cgroup(py: str, script: str, argv: list[str], cg: MemoryCgroup) -> di
 
 @contextlib.contextmanager
 def measured_mount(
-    dirs: list[Path], mnt: Path, flags: list[str], before: Callable[[int], object] | None = None
+    dirs: list[Path],
+    mnt: Path,
+    flags: list[str],
+    before: Callable[[int], object] | None = None,
+    tree: str | None = None,
 ) -> Iterator[tuple[int, dict]]:
-    """A colifs mount over `dirs`, yielding the daemon's pid and a dict that, once the block is
-    left, holds what the daemon served in it (GB), its CPU (s, and per GB) and the drives' byte
-    shares; `before(pid)` runs first, unmeasured."""
-    with colifs_mount(dirs, mnt, *flags) as st:
+    """A colifs mount over `dirs` (by the colifs of checkout `tree`, if given), yielding the daemon's
+    pid and a dict that, once the block is left, holds what the daemon served in it (GB), its CPU
+    (s, and per GB) and the drives' byte shares; `before(pid)` runs first, unmeasured."""
+    with colifs_mount(dirs, mnt, *flags, tree=tree) as st:
         pid, figures = st["pid"], {}
         if before is not None:
             before(pid)
@@ -305,7 +323,7 @@ def one_run(
         if config.again:
             run(mnt)
 
-    with measured_mount(dirs[: config.drives], mnt, config.flags, joined) as (pid, figures):
+    with measured_mount(dirs[: config.drives], mnt, config.flags, joined, config.tree) as (pid, figures):
         with host_cpu() as host:
             r = run(mnt)
         (MEMORY_ROOT / "cgroup.procs").write_text(f"{pid}\n")
