@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,16 @@ def _mmap_read(path: Path) -> bytes:
         return mm[:]
 
 
+def _capped_drives_timed_slow(log: Path) -> str | None:
+    """The mount's timing of its drives (its log), if a capped drive's 4 KiB read waited 150 us or
+    more (120-140 us here, the drive's own FUSE server; at 200 MB/s, 200 us is the 40 KB in flight
+    that makes fills run): a host busy with other work made it look like a drive with latency, and
+    the mount rightly treated it as one (CI once)."""
+    m = re.search(r"a 4 KiB read waits [^\n]*", log.read_text())
+    waits = [int(x) for x in re.findall(r"(\d+) us", m.group(0))] if m else []
+    return m.group(0) if waits and max(waits) >= 150 else None
+
+
 @pytest.mark.parametrize("latency", [False, True], ids=["capped", "latency"])
 def test_a_file_no_mirror_holds_passes_through_only_where_drives_need_no_depth(
     tmp_path: Path, native_only, latency: bool
@@ -199,6 +210,9 @@ def test_a_file_no_mirror_holds_passes_through_only_where_drives_need_no_depth(
     if latency:
         assert pt["page_cache_opens_passed_through"] == 0 and fills["fills_started"] > 0, (pt, fills)
     else:  # solo's two opens (drop_file_cache's and the mapping's), not m.gguf's
+        slowed = _capped_drives_timed_slow(tmp_path / "mnt.daemon.log")
+        if slowed and pt["page_cache_opens_passed_through"] != 2:
+            pytest.skip(f"a busy host made the capped drives' reads wait as a drive's with latency: {slowed}")
         assert pt["page_cache_opens_passed_through"] == 2 and pt["page_cache_opens_served"] == 0, pt
         assert fills["fills_started"] == 0, fills
         assert sum(r["bytes_served"] for r in after_solo["replicas"]) == 0, after_solo["replicas"]
