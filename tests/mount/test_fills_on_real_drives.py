@@ -34,7 +34,8 @@ MEMORY_ROOT = Path("/sys/fs/cgroup/memory")
 LIMIT_MIB = 64  # the daemon's and an mmap reader's, for a 96 MiB model
 LAYERS, EXPERTS, INTER = 8, 4, 1024  # experts of three 2 MiB extents: 192 MiB
 RATES = (900, 300)  # MB/s: the rigs' fast and slow drive
-CAPPED = 200  # MB/s: a drive with no latency, only a rate (4 KiB waits ~40 us: ~8 KB in flight)
+CAPPED = 100  # MB/s: a drive with no latency, only a rate (its 4 KiB reads wait 120-140 us, the
+# drive's own FUSE server: 12-14 KB in flight, far from the 40 KB that make fills run even on a busy host)
 
 
 @pytest.fixture
@@ -179,13 +180,13 @@ def _mmap_read(path: Path) -> bytes:
 
 
 def _capped_drives_timed_slow(log: Path) -> str | None:
-    """The mount's timing of its drives (its log), if a capped drive's 4 KiB read waited 150 us or
-    more (120-140 us here, the drive's own FUSE server; at 200 MB/s, 200 us is the 40 KB in flight
-    that makes fills run): a host busy with other work made it look like a drive with latency, and
-    the mount rightly treated it as one (CI once)."""
+    """The mount's timing of its drives (its log), if a capped drive's 4 KiB read waited 300 us or
+    more (120-140 us here, the drive's own FUSE server; at CAPPED MB/s, 400 us is the 40 KB in
+    flight that makes fills run): a host busy with other work made it look like a drive with
+    latency, and the mount rightly treated it as one (CI twice at 200 MB/s)."""
     m = re.search(r"a 4 KiB read waits [^\n]*", log.read_text())
     waits = [int(x) for x in re.findall(r"(\d+) us", m.group(0))] if m else []
-    return m.group(0) if waits and max(waits) >= 150 else None
+    return m.group(0) if waits and max(waits) >= 300 else None
 
 
 @pytest.mark.parametrize("latency", [False, True], ids=["capped", "latency"])
@@ -238,5 +239,8 @@ def test_a_lone_drive_that_needs_no_depth_passes_through(tmp_path: Path, native_
     ):
         assert _mmap_read(m.path / "m.gguf") == (fast / "m.gguf").read_bytes()
         st = m.stats()
+    slowed = _capped_drives_timed_slow(tmp_path / "mnt.daemon.log")
+    if slowed and st["passthrough"]["page_cache_opens_passed_through"] != 2:
+        pytest.skip(f"a busy host made the capped drive's reads wait as a drive's with latency: {slowed}")
     assert st["passthrough"]["page_cache_opens_passed_through"] == 2, st["passthrough"]
     assert st["fills"]["fills_started"] == 0 and st["replicas"][0]["bytes_served"] == 0, st
