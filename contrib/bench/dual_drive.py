@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from latency_drive import BDP_KB, LatencyDrive, latency_us
+from latency_drive import BDP_KB, LatencyDrive, latency_us, make_ext4
 
 from colifs.synth import write_checkpoint
 
@@ -88,7 +88,7 @@ class Rig:
         # A common NVMe default, so the drives read directly are not flattered or handicapped
         # by this kernel's loop default of 2560 KiB.
         Path(f"/sys/block/{os.path.basename(loop)}/queue/read_ahead_kb").write_text("128\n")
-        sh("mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", loop)
+        make_ext4(loop)
         d = self.work / name
         d.mkdir()
         sh("mount", loop, str(d))

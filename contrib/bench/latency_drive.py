@@ -171,6 +171,11 @@ class LatencyDrive:
         self.image.unlink(missing_ok=True)
 
 
+def make_ext4(dev: str) -> None:
+    """ext4 on a rig's drive, every table written now: no lazy init writing behind a measurement."""
+    subprocess.run(["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", dev], check=True)
+
+
 def fio_curve(
     path: Path,
     lat_us: float,
@@ -223,9 +228,7 @@ def main() -> int:
     fs = work / "fs"
     try:
         drive = LatencyDrive(work, "check", args.gb + 0.3)
-        subprocess.run(
-            ["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", drive.loop], check=True
-        )
+        make_ext4(drive.loop)
         fs.mkdir()
         subprocess.run(["mount", drive.loop, str(fs)], check=True)
         subprocess.run(["dd", "if=/dev/urandom", f"of={fs}/f", "bs=1M", f"count={int(args.gb * 1000)}",

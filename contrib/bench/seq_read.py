@@ -25,11 +25,6 @@ from fast_drives import colifs
 from colifs.synth import write_checkpoint
 
 
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def read_through(root: Path, size: int) -> int:
     """Every shard under root, in order, in read() calls of `size` bytes: the bytes read."""
     n = 0
@@ -74,14 +69,14 @@ def main() -> int:
         print(f"{'repeat':>6} {'KiB':>5}  {'configuration':<28} {'MB/s':>7} {'ratio':>6} {'s/GB':>5}")
         for rep in range(args.repeats):
             for kib in (int(x) for x in args.sizes.split(",")):
-                drop_caches()
+                settle()
                 t = time.perf_counter()
                 n = read_through(a, kib << 10)
                 direct = n / (time.perf_counter() - t) / 1e6
                 print(f"{rep:>6} {kib:>5}  {'fast drive directly':<28} {direct:>7.1f} {1:>6.2f}", flush=True)
                 for flags in configs:
                     with colifs([a, b], mnt, *([] if flags == "default" else flags.split())) as dm:
-                        drop_caches()
+                        settle()
                         c0, t = cpu_seconds(dm.pid), time.perf_counter()
                         n = read_through(mnt, kib << 10)
                         mb = n / (time.perf_counter() - t) / 1e6

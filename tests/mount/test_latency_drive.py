@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "contrib" / "bench"))
-from latency_drive import LatencyDrive, fio_curve, latency_us, model_mb_per_s
+from latency_drive import LatencyDrive, fio_curve, latency_us, make_ext4, model_mb_per_s
 
 MB_PER_S, BDP_KB = 300.0, 270.0  # the slow drive of the rigs: 900 us
 
@@ -41,9 +41,7 @@ def drive(tmp_path: Path) -> Iterator[tuple[LatencyDrive, Path]]:
     fs = tmp_path / "fs"
     try:
         assert d.loop is not None
-        subprocess.run(
-            ["mkfs.ext4", "-q", "-E", "lazy_itable_init=0,lazy_journal_init=0", d.loop], check=True
-        )
+        make_ext4(d.loop)
         fs.mkdir()
         subprocess.run(["mount", d.loop, str(fs)], check=True)
         fill = ["dd", "if=/dev/urandom", f"of={fs}/f", "bs=1M", "count=200", "status=none", "conv=fsync"]
