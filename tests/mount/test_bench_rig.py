@@ -90,10 +90,10 @@ def test_a_drive_with_latency_reads_at_its_rate_again_after_unlimited(latency_ri
     settle()  # written back, and no page of it cached on the way to the drive
     floor = 48 * 2**20 / (RATES[0] * 1e6)  # the least time the fast drive's rate allows
     assert read_seconds(fast) >= 0.9 * floor
-    with rig.unlimited():
-        quick = read_seconds(fast)
+    with rig.unlimited():  # the best of three: a busy host (CI) slows the drive's own FUSE server
+        quick = [read_seconds(fast) for _ in range(3)]
     assert read_seconds(fast) >= 0.9 * floor
-    assert quick < 0.5 * floor, (quick, floor)
+    assert min(quick) < 0.5 * floor, (quick, floor)
 
 
 def devnos(rig: Rig) -> list[str]:
