@@ -157,6 +157,18 @@ def calls_returned(m: Any, within: float = 10.0) -> None:
         time.sleep(0.05)
 
 
+def daemon_files(pid: int) -> dict[int, str]:
+    """What each of a process's descriptors points at, those closed while listed left out (its
+    threads open and close descriptors while a test looks)."""
+    out = {}
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:
+            continue
+    return out
+
+
 def drop_file_cache(path: Path) -> None:
     """Evict a file from the page cache (so the next read through a mount reaches the daemon)."""
     fd = os.open(path, os.O_RDONLY)

@@ -4,7 +4,6 @@ and what the engine maps still goes through the page cache. The bytes are always
 
 from __future__ import annotations
 
-import contextlib
 import mmap
 import os
 import random
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from colifs.formats.layout import ExpertKey
-from tests.helpers import drop_file_cache, extents_of, fused_model, mounted
+from tests.helpers import daemon_files, drop_file_cache, extents_of, fused_model, mounted
 from tests.mount.test_page_cache import EXPERT, UNTIMED, fills_of, settled
 
 pytestmark = pytest.mark.mounts
@@ -120,11 +119,7 @@ def test_the_drives_files_close_once_the_reader_is_done(fused, tmp_path: Path) -
         pid = m.stats()["pid"]
 
         def held() -> list[str]:
-            fds = Path(f"/proc/{pid}/fd")
-            links = []
-            for p in fds.iterdir():
-                with contextlib.suppress(FileNotFoundError):  # closed since the listing
-                    links.append(os.readlink(p))
+            links = daemon_files(pid).values()
             return [x for x in links if x.startswith((f"{primary}/", f"{mirror}/"))]
 
         with open(m.path / model.name, "rb") as f:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from colifs.synth import write_checkpoint
-from tests.helpers import ROOT, force_unmount, is_mounted, read_direct, run_colifs
+from tests.helpers import ROOT, daemon_files, force_unmount, is_mounted, read_direct, run_colifs
 
 FAULTFS = str(ROOT / "tests" / "faultfs.py")
 
@@ -386,8 +386,7 @@ def test_a_mirror_mounted_again_while_files_stay_open_serves_again(tmp_path: Pat
 def daemon_fds(pid: int) -> list[str]:
     """What the descriptors other than /dev/fuse point at (the native engine clones one per FUSE
     thread, as load starts threads)."""
-    fds = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
-    return sorted(target for target in fds if target != "/dev/fuse")
+    return sorted(target for target in daemon_files(pid).values() if target != "/dev/fuse")
 
 
 def daemon_fds_back_to(pid: int, count: int, within: float = 10.0) -> list[str]:

@@ -4,7 +4,6 @@ removed mirror's drive (it unmounts), the mirror back takes traffic again, bad i
 
 from __future__ import annotations
 
-import contextlib
 import json
 import mmap
 import os
@@ -20,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import (
     calls_returned,
+    daemon_files,
     force_unmount,
     mounted,
     read_direct,
@@ -39,13 +39,7 @@ def mirror_bytes(m) -> int:
 
 def held_there(pid: int, root: Path) -> list[str]:
     """The daemon's descriptors inside `root`."""
-    out = []
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if target.startswith(f"{root}/"):
-                out.append(target)
-    return out
+    return [target for target in daemon_files(pid).values() if target.startswith(f"{root}/")]
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from colifs.synth import write_checkpoint
-from tests.helpers import COLIFS, ROOT, force_unmount, is_mounted, mounted, run_colifs
+from tests.helpers import COLIFS, ROOT, daemon_files, force_unmount, is_mounted, mounted, run_colifs
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv"),
@@ -116,10 +116,13 @@ def test_the_daemon_opens_nothing_for_writing(model) -> None:
             for f in held:
                 f.read(1 << 20)
             seen = 0
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            for fd, target in daemon_files(pid).items():
                 if target.startswith((str(primary), str(mirror))):
-                    flags = int(Path(f"/proc/{pid}/fdinfo/{fd}").read_text().split("flags:")[1].split()[0], 8)
+                    try:
+                        info = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+                    except FileNotFoundError:  # closed since the listing
+                        continue
+                    flags = int(info.split("flags:")[1].split()[0], 8)
                     assert flags & os.O_ACCMODE == os.O_RDONLY, target
                     seen += 1
             assert seen >= len(held)  # the primary's copies at least (mirrors too, when routed there)
