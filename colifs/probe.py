@@ -128,10 +128,13 @@ def probe_replica(
     return ProbeResult(replica, done[0] / elapsed / 1e6, done[0], elapsed, direct[0])
 
 
-def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 16) -> float | None:
-    """How long a 4 KiB read of the replica's drive waits (the median of `reads`, O_DIRECT, spread
-    over its largest model files): what its bytes wait before they flow (colifs.depth). None: it
-    holds no model file, or its filesystem refuses O_DIRECT (RAM: nothing to wait for)."""
+def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 24) -> float | None:
+    """How long a 4 KiB read of the replica's drive waits (the least of `reads`, O_DIRECT, spread
+    over its largest model files): what its bytes wait before they flow (colifs.depth). The least,
+    not the median: a busy host only adds to a read's wait (a blkio-capped RAM drive's reads
+    waited 12-106 us by the median of 16 within seconds on a busy VM, turning fills on and off from
+    mount to mount), while a drive's own latency is a floor no read goes below. None: it holds no
+    model file, or its filesystem refuses O_DIRECT (RAM: nothing to wait for)."""
     buf = mmap.mmap(-1, BLOCK)
     times: list[float] = []
     fds: dict[str, int] = {}
@@ -148,7 +151,7 @@ def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 16) ->
         for fd in fds.values():
             os.close(fd)
         buf.close()
-    return sorted(times)[len(times) // 2] if times else None
+    return min(times, default=None)
 
 
 def probe(

@@ -58,6 +58,12 @@ def colifs(dirs: list[Path], mnt: Path, *flags: str) -> Iterator[Daemon]:
             timeouts = sum(r.get("health", {}).get("timeouts", 0) for r in st["replicas"])
             if st["fallbacks"] or timeouts:
                 print(f"   WARNING: {st['fallbacks']} fallbacks, {timeouts} mirror timeouts on this mount")
+            fills = st.get("fills", {})
+            if fills.get("fills_started"):  # the mount timed these drives as needing depth (colifs.depth)
+                print(
+                    f"   note: fills ran on this mount ({fills['fills_started']} fills, "
+                    f"{fills['bytes_read'] / 1e9:.2f} GB read ahead)"
+                )
         subprocess.run([*COLIFS, "umount", str(mnt)], capture_output=True)
         subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
 
