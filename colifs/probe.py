@@ -27,6 +27,7 @@ log = logging.getLogger("colifs")
 PIECE = 19 << 20
 SUB = 4 << 20  # a piece is read in sub-reads so that a slow drive still stops near the deadline
 GOLDEN = 0.6180339887498949  # spreads successive offsets evenly over a file without a seed
+PROBE_TARGETS = 256  # the places a probe reads from (it reads what it can of them in its time)
 
 
 @dataclass
@@ -81,7 +82,7 @@ def probe_replica(
     replica: Replica, files: Sequence[ServedFile], seconds: float = 2.0, parallel: int = 4
 ) -> ProbeResult:
     """Read for about `seconds` (a little more to let the last reads land) and time it."""
-    targets = _targets(replica, files, 256)
+    targets = _targets(replica, files, PROBE_TARGETS)
     if not targets:
         return ProbeResult(replica, None, 0, 0.0, True)
     lock = threading.Lock()
@@ -128,6 +129,21 @@ def probe_replica(
     return ProbeResult(replica, done[0] / elapsed / 1e6, done[0], elapsed, direct[0])
 
 
+def wait_targets(replica: Replica, files: Sequence[ServedFile], reads: int) -> list[tuple[str, int]]:
+    """Where read_wait reads: outside every piece the probe reads (a cache under the drive, or the
+    drive's own, could answer a block just read at once, and the least wait would be the cache's);
+    where the probe's pieces cover the files (a small model), at its places after all."""
+    probed = _targets(replica, files, PROBE_TARGETS)
+    pieces: dict[str, list[int]] = {}
+    for path, off in probed:
+        pieces.setdefault(path, []).append(off)
+    out = []
+    for path, off in _targets(replica, files, PROBE_TARGETS + 8 * reads)[PROBE_TARGETS:]:
+        if len(out) < reads and not any(a <= off < a + PIECE for a in pieces[path]):
+            out.append((path, off))
+    return out + probed[: reads - len(out)]
+
+
 def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 24) -> float | None:
     """How long a 4 KiB read of the replica's drive waits (the least of `reads`, O_DIRECT, spread
     over its largest model files): what its bytes wait before they flow (colifs.depth). The least,
@@ -139,7 +155,7 @@ def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 24) ->
     times: list[float] = []
     fds: dict[str, int] = {}
     try:
-        for path, off in _targets(replica, files, reads):
+        for path, off in wait_targets(replica, files, reads):
             if path not in fds:
                 fds[path], direct = _open(path)
                 if not direct:
