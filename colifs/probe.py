@@ -50,13 +50,18 @@ class ProbeResult:
         }
 
 
-def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
-    """(path, offset) pairs spread over the data of the replica's largest model files."""
-    held = sorted(
+def _held(replica: Replica, files: Sequence[ServedFile]) -> list[ServedFile]:
+    """The replica's largest model files, where the probes read."""
+    return sorted(
         (f for f in files if f.layout is not None and replica.index in f.copies),
         key=lambda f: f.size,
         reverse=True,
     )[:8]
+
+
+def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
+    """(path, offset) pairs spread over the data of the replica's largest model files."""
+    held = _held(replica, files)
     out = []
     for k in range(count):
         if not held:
@@ -129,28 +134,47 @@ def probe_replica(
     return ProbeResult(replica, done[0] / elapsed / 1e6, done[0], elapsed, direct[0])
 
 
+def _spread(k: int) -> float:
+    """The k-th of a sequence that fills [0, 1) evenly, halving its gaps (van der Corput): unlike
+    the probe's own sequence it does not come back next to the places the probe read."""
+    x, d = 0.0, 0.5
+    while k:
+        x += d * (k & 1)
+        k >>= 1
+        d /= 2
+    return x
+
+
 def wait_targets(replica: Replica, files: Sequence[ServedFile], reads: int) -> list[tuple[str, int]]:
-    """Where read_wait reads: outside every piece the probe reads (a cache under the drive, or the
-    drive's own, could answer a block just read at once, and the least wait would be the cache's);
-    where the probe's pieces cover the files (a small model), at its places after all."""
+    """Where read_wait reads: outside every piece the probe reads, where the files leave room (a
+    cache under the drive, a VM host's or the drive's own, could answer a block just read at
+    once); the rest at the probe's places (a model of a few GB, which its pieces cover: the
+    median still holds against a few such reads)."""
     probed = _targets(replica, files, PROBE_TARGETS)
-    pieces: dict[str, list[int]] = {}
+    starts: dict[str, list[int]] = {}
     for path, off in probed:
-        pieces.setdefault(path, []).append(off)
-    out = []
-    for path, off in _targets(replica, files, PROBE_TARGETS + 8 * reads)[PROBE_TARGETS:]:
-        if len(out) < reads and not any(a <= off < a + PIECE for a in pieces[path]):
+        starts.setdefault(path, []).append(off)
+    out: list[tuple[str, int]] = []
+    held = _held(replica, files)
+    for k in range(1, 64 * reads):
+        if len(out) == reads or not held:
+            break
+        f = held[k % len(held)]
+        assert f.layout is not None
+        path = os.path.join(replica.root, f.relpath)
+        off = align_down(
+            f.layout.data_start + int(_spread(k // len(held) + 1) * (f.size - f.layout.data_start))
+        )
+        if off + BLOCK <= f.size and not any(a <= off < a + PIECE for a in starts[path]):
             out.append((path, off))
     return out + probed[: reads - len(out)]
 
 
-def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 24) -> float | None:
-    """How long a 4 KiB read of the replica's drive waits (the least of `reads`, O_DIRECT, spread
-    over its largest model files): what its bytes wait before they flow (colifs.depth). The least,
-    not the median: a busy host only adds to a read's wait (a blkio-capped RAM drive's reads
-    waited 12-106 us by the median of 16 within seconds on a busy VM, turning fills on and off from
-    mount to mount), while a drive's own latency is a floor no read goes below. None: it holds no
-    model file, or its filesystem refuses O_DIRECT (RAM: nothing to wait for)."""
+def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 16) -> float | None:
+    """How long a 4 KiB read of the replica's drive waits (the median of `reads`, O_DIRECT, spread
+    over its largest model files, where the probe did not just read): what its bytes wait before
+    they flow (colifs.depth). None: it holds no model file, or its filesystem refuses O_DIRECT
+    (RAM: nothing to wait for)."""
     buf = mmap.mmap(-1, BLOCK)
     times: list[float] = []
     fds: dict[str, int] = {}
@@ -167,7 +191,7 @@ def read_wait(replica: Replica, files: Sequence[ServedFile], reads: int = 24) ->
         for fd in fds.values():
             os.close(fd)
         buf.close()
-    return min(times, default=None)
+    return sorted(times)[len(times) // 2] if times else None
 
 
 def probe(
