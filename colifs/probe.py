@@ -14,7 +14,7 @@ import mmap
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from colifs.backing import BLOCK, align_down
@@ -50,28 +50,29 @@ class ProbeResult:
         }
 
 
-def _held(replica: Replica, files: Sequence[ServedFile]) -> list[ServedFile]:
-    """The replica's largest model files, where the probes read."""
-    return sorted(
+def _places(
+    replica: Replica, files: Sequence[ServedFile], count: int, fraction: Callable[[int], float], room: int
+) -> list[tuple[str, int]]:
+    """(path, offset) pairs over the data of the replica's largest model files, taken in turn: the
+    j-th of a file at `fraction(j)` of its data, with `room` bytes of it left after the offset."""
+    held = sorted(
         (f for f in files if f.layout is not None and replica.index in f.copies),
         key=lambda f: f.size,
         reverse=True,
     )[:8]
+    out = []
+    for k in range(count if held else 0):
+        f = held[k % len(held)]
+        assert f.layout is not None
+        span = max(0, f.size - f.layout.data_start - room)
+        off = align_down(f.layout.data_start + int(fraction(k // len(held)) * span))
+        out.append((os.path.join(replica.root, f.relpath), off))
+    return out
 
 
 def _targets(replica: Replica, files: Sequence[ServedFile], count: int) -> list[tuple[str, int]]:
-    """(path, offset) pairs spread over the data of the replica's largest model files."""
-    held = _held(replica, files)
-    out = []
-    for k in range(count):
-        if not held:
-            break
-        f = held[k % len(held)]
-        assert f.layout is not None
-        span = max(0, f.size - f.layout.data_start - PIECE)
-        off = align_down(f.layout.data_start + int((k // len(held)) * GOLDEN % 1.0 * span))
-        out.append((os.path.join(replica.root, f.relpath), off))
-    return out
+    """Where the probe reads its pieces: spread evenly over the files' data, without a seed."""
+    return _places(replica, files, count, lambda j: j * GOLDEN % 1.0, PIECE)
 
 
 def _open(path: str) -> tuple[int, bool]:
@@ -154,19 +155,10 @@ def wait_targets(replica: Replica, files: Sequence[ServedFile], reads: int) -> l
     starts: dict[str, list[int]] = {}
     for path, off in probed:
         starts.setdefault(path, []).append(off)
-    out: list[tuple[str, int]] = []
-    held = _held(replica, files)
-    for k in range(1, 64 * reads):
-        if len(out) == reads or not held:
-            break
-        f = held[k % len(held)]
-        assert f.layout is not None
-        path = os.path.join(replica.root, f.relpath)
-        off = align_down(
-            f.layout.data_start + int(_spread(k // len(held) + 1) * (f.size - f.layout.data_start))
-        )
-        if off + BLOCK <= f.size and not any(a <= off < a + PIECE for a in starts[path]):
-            out.append((path, off))
+    candidates = _places(replica, files, 64 * reads, lambda j: _spread(j + 1), BLOCK)
+    out = [(path, off) for path, off in candidates if not any(a <= off < a + PIECE for a in starts[path])][
+        :reads
+    ]
     return out + probed[: reads - len(out)]
 
 
