@@ -89,6 +89,7 @@ CONFIGS = (
     "ceiling",
     "ceilingfast",
     "ceilingdirect",
+    "ceilingdirectreads",
 )
 # Only for an engine that can read a mirror itself (Colibrì's COLI_MODEL_MIRROR): `rig_arguments`'
 # `known`. Not in CONFIGS, whose engines would read the fast drive alone under that name.
@@ -193,8 +194,15 @@ def configs(fast: float, slow: float, names: str) -> list[Config]:
     # cost (the daemon, the kernel's copies into the page cache, the rig's drive servers) holds the
     # engine back. No read policy gets more out of drives that have limits. `ceilingdirect`, the fast
     # drive read directly without limit, is the engine's own: what is between it and `ceiling` is
-    # the mount's cost.
-    for name, of in (("ceiling", "defaults"), ("ceilingfast", "fastonly"), ("ceilingdirect", "direct128")):
+    # the mount's cost. `ceilingdirectreads`: the same for `directreads`, whose read calls skip the
+    # mount's page cache.
+    ceilings = (
+        ("ceiling", "defaults"),
+        ("ceilingfast", "fastonly"),
+        ("ceilingdirect", "direct128"),
+        ("ceilingdirectreads", "directreads"),
+    )
+    for name, of in ceilings:
         named[name] = named[of]._replace(label=f"{named[of].label}, drives without limit", unlimited=True)
     chosen = []
     for name, _, tree in (n.partition("@") for n in names.split(",")):
