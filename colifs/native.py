@@ -88,6 +88,7 @@ FILLS = (
     "fills_from_first_page",
     "read_call_bytes",
     "bytes_dropped_unasked",
+    "fills_in_a_stream",
 )
 
 # native/engine.h PT_NEVER, PT_AUTO, PT_ALWAYS (colifs.config.MountConfig.passthrough).

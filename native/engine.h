@@ -290,7 +290,8 @@ typedef struct {
                                              of the expert from the start, no lead, [18] bytes
                                              read calls asked for (direct_reads), [19] bytes a
                                              read call's fill read that no call asked for in
-                                             HOLD_NS: dropped */
+                                             HOLD_NS: dropped, [20] fills of a whole expert for a
+                                             reader streaming through the file (STREAM_HOPS) */
     _Atomic uint64_t *passthrough;        /* passthrough.c: [0] 1 once asked for at INIT (the kernel
                                              offered it), [1] page-cache opens passed through, [2]
                                              page-cache opens served (their file was open for served

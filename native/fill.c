@@ -3,17 +3,19 @@
  * that gets the reader a fraction of the drive, and the mirror sits idle. The first request into a
  * routed expert starts a fill: the request's own bytes and a lead of FILL_LEAD in its extent (the
  * kernel's readahead runs into experts nobody reads); once the reader asks RUN_ON_REACH away from
- * where it began, it streams, and the rest of that expert's extents in the file follow (an engine
- * reads an expert whole; at most FILL_MAX). A first request on an extent's first page streams from
- * the start (an engine reading the expert: no lead); all less what the page cache already
- * holds (the daemon's own view of the file, view.c) and what another fill reads, cut into pieces of
- * FILL_PIECE on the drives the routes give them (the request's own on a drive clearly the quickest:
- * it is waited for) and queued at once: up to FILL_DEPTH reads in flight per drive, from every
- * drive. Each piece, as it lands, answers the kernel's requests that wait for
- * it (the one that started the fill, or later ones whose bytes the fill holds), or else is stored
- * into the page cache (FUSE_NOTIFY_STORE): the reader's next fault there finds it, without asking.
- * A fill goes once each of its pieces was answered, stored or failed. Routed experts only: an
- * embedding table is read a few rows at a time.
+ * where it began, or asks lately for a page of that expert no fill reads (it read through a lead
+ * whose pages were stored before it asked, onto another extent: a loader reading an expert's
+ * tensors one after another), it streams, and the rest of that expert's extents in the file follow
+ * (an engine reads an expert whole; at most FILL_MAX). A first request on an extent's first page,
+ * or of a reader that streams through the file (STREAM_HOPS), reads the whole expert at once (no
+ * lead); all less what the page cache already holds (the daemon's own view of the file, view.c)
+ * and what another fill reads, cut into pieces of FILL_PIECE on the drives the routes give them
+ * (the request's own on a drive clearly the quickest: it is waited for) and queued at once: up to
+ * FILL_DEPTH reads in flight per drive, from every drive. Each piece, as it lands, answers the
+ * kernel's requests that wait for it (the one that started the fill, or later ones whose bytes
+ * the fill holds), or else is stored into the page cache (FUSE_NOTIFY_STORE): the reader's next
+ * fault there finds it, without asking. A fill goes once each of its pieces was answered, stored
+ * or failed. Routed experts only: an embedding table is read a few rows at a time.
  *
  * With direct reads (--direct-reads, fs.c) a read call's request starts a held fill: the calls
  * after it do not look in the page cache, so its pieces are never stored; each waits for the calls
@@ -710,10 +712,11 @@ static size_t extent_of(const uint64_t *b, size_t n, uint64_t off) {
 }
 
 /* How a fill for an expert reads it: a lead (not streamed yet), or the rest of it (a reader read
- * through a lead, or began on an extent's first page), or, for a read call into an extent mid-way,
+ * through a lead, or came back to the expert where no fill reads, or began on an extent's first
+ * page, or streams through the file: IN_STREAM), or, for a read call into an extent mid-way,
  * only the rest of that extent (ONWARD: what an engine reads into its buffer it reads to the end of
  * the extent, and a reader reading a file through reaches the key's other extents much later). */
-enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE, ONWARD };
+enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE, ONWARD, IN_STREAM };
 
 /* What a fill for a request [off, asked) into key k reads, all less what the page cache holds and
  * what other fills read. Any other tensor a reader streams (each request starting where the last
@@ -721,7 +724,8 @@ enum { NOT_STREAMED, PAST_A_LEAD, FROM_FIRST_PAGE, ONWARD };
  * request's bytes and a lead of FILL_LEAD of its extent (after the request, what is short of it
  * before), until the reader shows it streams (the kernel's readahead runs past an extent into the
  * next expert, which nobody may want: two windows at most, so a reader RUN_ON_REACH into an extent
- * wants it; so does one that begins on the extent's first page, streamed); then the rest of
+ * wants it; so does one that begins on the extent's first page, one that comes back to the expert
+ * where no fill reads, and one that streams through the file: `streams`); then the rest of
  * the extent, the key's extents after it, those before it, and last the part of its own extent
  * before the request (a reader streams forwards, mostly). Of a file also open with O_DIRECT only
  * the extent asked: such an engine reads the expert's weights direct and some of its tensors
@@ -1050,9 +1054,9 @@ static int answer_locked(engine_t *e, file_t *f, fuse_req_t req, uint64_t off, u
  * read, until it is RUN_ON_REACH past where the run-on began (then the engine reads on: it wants
  * this key too). Requests that start no fill are remembered under the key they run on from, so a
  * run-on is followed window by window. A reader that streams on across STREAM_HOPS boundaries
- * between experts (a load reading the file through) wants each next key from its first byte: no
- * run-on (at worst a fill of an expert nobody reads, whole when the request begins on its first
- * page, where an engine's readahead runs on past three experts it read back to back). A read call
+ * between experts (a load reading the file through) wants each next key whole from its first
+ * request: no run-on, no lead (at worst a fill of a whole expert nobody reads, where an engine's
+ * readahead runs on past three experts it read back to back). A read call
  * (--direct-reads) is what the engine asked for, never the kernel's readahead: it never runs on,
  * and is remembered as a stream (a request of the page cache that begins where it ended is no
  * readahead running on from it either). */
@@ -1158,17 +1162,44 @@ static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, const
         remember_locked(f, fl->lo, fl->hi, it, now);
 }
 
-/* fill_for_locked's fill for the key it found, remembered: what it reads. */
+/* Whether a request of key k that no fill covers comes after the reader was done with what was read
+ * of k: k was read lately (any read remembered under k: a fill's, a request's) and no fill of k is
+ * listed any more. A loader reads an expert's tensors one after another; its lead's pages were
+ * stored before it asked for them, so it went on past the lead without a request to show it. While
+ * a fill of k is still read, a request beside it is another thread's fault (a lead of its own). */
+static int went_past_locked(const engine_t *e, const file_t *f, int32_t k, uint64_t now) {
+    int past = 0;
+    for (size_t i = 0; i < FILL_RECENT && !past; i++)
+        past = f->recent[i].t && now - f->recent[i].t < RUN_ON_NS && f->recent[i].key == k;
+    for (const fill_t *x = e->fills.list; x && past; x = x->next)
+        past = !(x->f == f && x->key == k);
+    return past;
+}
+
+/* fill_for_locked's fill for the key it found, remembered: what it reads. A whole expert the arena
+ * has no room for is read as a lead. */
 static fill_t *start_for_locked(engine_t *e, file_t *f, const intent_t *it, uint64_t off, uint64_t asked,
                                 int call, uint64_t now) {
     int streams = streamed(e, f, it->key, off, asked);
-    if (call && streams == NOT_STREAMED && is_expert(e, it->key) && !atomic_load(&f->direct_opens))
-        streams = ONWARD;
-    fill_t *fl = start_locked(e, f, it->key, off, asked, streams, call, NULL);
+    if (streams == NOT_STREAMED && is_expert(e, it->key)) {
+        if (call)
+            streams = atomic_load(&f->direct_opens) ? NOT_STREAMED : ONWARD;
+        else if (it->hops >= STREAM_HOPS)
+            streams = IN_STREAM;
+        else if (went_past_locked(e, f, it->key, now))
+            streams = PAST_A_LEAD;
+    }
+    int spent = 0;
+    fill_t *fl = start_locked(e, f, it->key, off, asked, streams, call, &spent);
+    if (!fl && spent && !call && streams != NOT_STREAMED) { /* no room for the whole expert: a lead */
+        streams = NOT_STREAMED;
+        fl = start_locked(e, f, it->key, off, asked, streams, call, NULL);
+    }
     if (!fl)
         return NULL;
-    if (streams == PAST_A_LEAD || streams == FROM_FIRST_PAGE)
-        atomic_fetch_add(&e->ctr.fill[streams == FROM_FIRST_PAGE ? 17 : 16], 1);
+    static const int counter[] = {[PAST_A_LEAD] = 16, [FROM_FIRST_PAGE] = 17, [IN_STREAM] = 20};
+    if (counter[streams])
+        atomic_fetch_add(&e->ctr.fill[counter[streams]], 1);
     if (streams == ONWARD) /* what it reads: none of the key's other extents */
         remember_locked(f, fl->lo, fl->hi, it, now);
     else

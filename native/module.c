@@ -338,7 +338,7 @@ static const struct counter_field {
     {"drive_alone_ns", offsetof(counters_t, drive_alone_ns), PER_DRIVE, 1},
     {"drive_spilled", offsetof(counters_t, drive_spilled), PER_DRIVE, 1},
     {"fallbacks", offsetof(counters_t, fallbacks), ONCE, 2},
-    {"fill", offsetof(counters_t, fill), ONCE, 20},
+    {"fill", offsetof(counters_t, fill), ONCE, 21},
     {"passthrough", offsetof(counters_t, passthrough), ONCE, 5},
     {"key_bytes", offsetof(counters_t, key_bytes), PER_KEY_AND_DRIVE, 1},
     {"key_reads", offsetof(counters_t, key_reads), PER_KEY, 1},
