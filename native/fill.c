@@ -1074,9 +1074,12 @@ typedef struct {
 static int32_t key_at(const file_t *f, uint64_t off) { return f->seg_key[segment_at(f, off)]; }
 
 
-/* Whether r is a read lately (RUN_ON_NS) that reaches off: it ends there or past it. */
+/* Whether r is a read remembered lately (RUN_ON_NS). */
+static int lately(const recent_t *r, uint64_t now) { return r->t && now - r->t < RUN_ON_NS; }
+
+/* Whether r is a read lately that reaches off: it ends there or past it. */
 static int reaches_lately(const recent_t *r, uint64_t off, uint64_t now) {
-    return r->t && now - r->t < RUN_ON_NS && r->lo < off && off <= r->hi;
+    return lately(r, now) && r->lo < off && off <= r->hi;
 }
 
 /* The latest read of f lately, of a key other than k, that ends where off begins, or NULL. */
@@ -1144,7 +1147,7 @@ static void remember_locked(file_t *f, uint64_t a, uint64_t b, const intent_t *i
 static int streams_locked(const file_t *f, uint64_t off, int32_t k, uint64_t now) {
     for (size_t i = 0; i < FILL_RECENT; i++) {
         const recent_t *r = &f->recent[i];
-        if (r->t && now - r->t < RUN_ON_NS && r->key == k && r->hi == off)
+        if (lately(r, now) && r->key == k && r->hi == off)
             return 1;
     }
     return 0;
@@ -1170,7 +1173,7 @@ static void remember_fill_locked(engine_t *e, file_t *f, const fill_t *fl, const
 static int went_past_locked(const engine_t *e, const file_t *f, int32_t k, uint64_t now) {
     int past = 0;
     for (size_t i = 0; i < FILL_RECENT && !past; i++)
-        past = f->recent[i].t && now - f->recent[i].t < RUN_ON_NS && f->recent[i].key == k;
+        past = lately(&f->recent[i], now) && f->recent[i].key == k;
     for (const fill_t *x = e->fills.list; x && past; x = x->next)
         past = !(x->f == f && x->key == k);
     return past;
